@@ -1,0 +1,1 @@
+"""Llama-family models, loaders, tokenizer and registry (installed as specjax.models)."""

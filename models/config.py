@@ -1,0 +1,98 @@
+"""Model configurations: frozen, hashable, with named presets.
+
+Dimension alphabet used across `specjax` (einsums and type hints):
+    B batch, T query length, S cache length, N query heads, G query heads per kv head,
+    K kv heads (in einsum strings), H head dim, D model dim, F ffw dim, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, SmolLM2, Qwen2).
+
+    Hashable: it is part of the static side of every jitted function.
+    """
+
+    name: str = "custom"
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_seq_len: int = 8192
+    dtype: str = "float32"  # compute dtype: fp32 on CPU, bf16 for GPU/TPU
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                    f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{f}={getattr(self, f)!r}: use 'float32', 'bfloat16' or 'float16'")
+
+    @property
+    def groups(self) -> int:
+        """Query heads per kv head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.qkv_bias:
+            attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        block = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.num_layers * block + self.dim + head
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, dim=576, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, ffn_dim=1536, rope_theta=100_000.0, norm_eps=1e-5,
+        tie_embeddings=True, max_seq_len=8192,
+    ),
+    "qwen2.5-coder-0.5b": ModelConfig(
+        name="qwen2.5-coder-0.5b", vocab_size=151936, dim=896, num_layers=24, num_heads=14,
+        num_kv_heads=2, head_dim=64, ffn_dim=4864, rope_theta=1_000_000.0, norm_eps=1e-6,
+        tie_embeddings=True, qkv_bias=True, max_seq_len=32768,
+    ),
+    "qwen2.5-coder-1.5b": ModelConfig(
+        name="qwen2.5-coder-1.5b", vocab_size=151936, dim=1536, num_layers=28, num_heads=12,
+        num_kv_heads=2, head_dim=128, ffn_dim=8960, rope_theta=1_000_000.0, norm_eps=1e-6,
+        tie_embeddings=True, qkv_bias=True, max_seq_len=32768,
+    ),
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, ffn_dim=64, rope_theta=10_000.0, max_seq_len=512,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """Returns the named preset, with `dataclasses.replace` overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

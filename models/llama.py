@@ -1,0 +1,186 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) as Flax NNX modules.
+
+One forward serves prefill (T = prompt bucket), decode (T = 1) and speculative verify
+(T = K + 1): it takes T new tokens per row at per-row positions, writes their K/V into the
+position-indexed cache and returns `Output(logits, hidden, cache)`. No mode flags: the entry
+points `hidden_states` and `logits` share the same blocks.
+
+Dimension alphabet: see `specjax.models.config`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax.models import kv_cache
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+
+
+class Output(NamedTuple):
+    logits: Float[Array, "B T V"]
+    hidden: Float[Array, "B T D"]  # final-normed hidden state, what the LM head reads
+    cache: KVCache
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, scale: float) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: Float[Array, "B T ... H"], positions: Int[Array, "B T"], theta: float):
+    """Rotary embedding, rotate-half layout (HF); GGUF's interleaved q/k are un-permuted at load."""
+    h = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[2:])
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, wd = config, config.weight_dtype
+        self.config = config
+        s = c.dim**-0.5
+        self.wq = _param(rngs, (c.dim, c.num_heads * c.head_dim), wd, s)
+        self.wk = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s)
+        self.wv = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s)
+        self.wo = _param(rngs, (c.num_heads * c.head_dim, c.dim), wd, (c.num_heads * c.head_dim) ** -0.5)
+        if c.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), wd))
+            self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd))
+            self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd))
+
+    def _proj(self, x, name: str):
+        dt = self.config.compute_dtype
+        y = x @ getattr(self, "w" + name)[...].astype(dt)
+        if self.config.qkv_bias and name != "o":
+            y = y + getattr(self, "b" + name)[...].astype(dt)
+        return y
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        positions: Int[Array, "B T"],
+        start: Int[Array, "B"],
+        mask: Bool[Array, "B T S"],
+        k_buf: Float[Array, "B S K H"],
+        v_buf: Float[Array, "B S K H"],
+    ):
+        c = self.config
+        b, t, _ = x.shape
+        q_BTKGH = self._proj(x, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
+        k_BTKH = self._proj(x, "k").reshape(b, t, c.num_kv_heads, c.head_dim)
+        v_BTKH = self._proj(x, "v").reshape(b, t, c.num_kv_heads, c.head_dim)
+        q_BTKGH = rope(q_BTKGH, positions, c.rope_theta)
+        k_BTKH = rope(k_BTKH, positions, c.rope_theta)
+        k_buf = kv_cache.write(k_buf, k_BTKH, start)
+        v_buf = kv_cache.write(v_buf, v_BTKH, start)
+        scores = jnp.einsum("BTKGH,BSKH->BTKGS", q_BTKGH, k_buf.astype(q_BTKGH.dtype))
+        scores = scores.astype(jnp.float32) * c.head_dim**-0.5
+        scores = jnp.where(mask[:, :, None, None, :], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v_buf.astype(x.dtype))
+        return self._proj(out.reshape(b, t, -1), "o"), k_buf, v_buf
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, wd = config, config.weight_dtype
+        self.dtype = c.compute_dtype
+        self.w_gate = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5)
+        self.w_up = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5)
+        self.w_down = _param(rngs, (c.ffn_dim, c.dim), wd, c.ffn_dim**-0.5)
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        dt = self.dtype
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        return h @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        wd = config.weight_dtype
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, wd)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, wd)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, positions, start, mask, k_buf, v_buf):
+        h, k_buf, v_buf = self.attn(self.attn_norm(x), positions, start, mask, k_buf, v_buf)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer with a position-indexed KV cache."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        wd = config.weight_dtype
+        self.embed = _param(rngs, (config.vocab_size, config.dim), wd, 1.0)
+        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.dim, config.norm_eps, wd)
+        if not config.tie_embeddings:
+            self.lm_head = _param(rngs, (config.dim, config.vocab_size), wd, config.dim**-0.5)
+
+    def hidden_states(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        *,
+        start: Int[Array, "B"] | None = None,
+        window_mask: Bool[Array, "B T T"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], KVCache]:
+        """Runs the blocks over T new tokens per row; returns final-normed hidden and cache.
+
+        Args:
+          tokens: new tokens of each row.
+          positions: their absolute positions (RoPE); for a chain window `start + arange(T)`.
+          cache: the cache; slots `start .. start+T-1` of each row are overwritten.
+          start: first cache slot of the window per row; defaults to `positions[:, 0]`.
+          window_mask: visibility inside the window (tree verify); causal when None.
+        """
+        if start is None:
+            start = positions[:, 0]
+        t = tokens.shape[1]
+        mask = kv_cache.attention_mask(start, t, cache.length, window_mask)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+        ks, vs = [], []
+        for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v):
+            x, k_buf, v_buf = layer(x, positions, start, mask, k_buf, v_buf)
+            ks.append(k_buf)
+            vs.append(v_buf)
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """LM head: the tied embedding (`BTD,VD->BTV`) or an own projection."""
+        dt = self.config.compute_dtype
+        if self.config.tie_embeddings:
+            return jnp.einsum("BTD,VD->BTV", hidden, self.embed[...].astype(dt))
+        return hidden @ self.lm_head[...].astype(dt)
+
+    def __call__(self, tokens, positions, cache, *, start=None, window_mask=None) -> Output:
+        hidden, cache = self.hidden_states(
+            tokens, positions, cache, start=start, window_mask=window_mask
+        )
+        return Output(self.logits(hidden), hidden, cache)

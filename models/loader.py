@@ -1,0 +1,106 @@
+"""Loads a model and its tokenizer from a registry name, a .gguf file or an HF directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models import gguf_loader, hf_loader
+from specjax.models.config import PRESETS, ModelConfig
+from specjax.models.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to decode: NNX module, tokenizer, config, where it came from."""
+
+    model: Llama
+    tokenizer: object  # specjax.models.tokenizer.Tokenizer
+    config: ModelConfig
+    source: str  # file or directory the weights came from
+    weights_id: str  # short hash of the weight file (manifests of trained heads refer to it)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Llama:
+    """A randomly initialised model (tests, tiny configs)."""
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
+    """Builds a `Llama` whose parameters are `weights` ({"layers.0.attn.wq": array, ...})."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    expected = {".".join(str(p) for p in path): path for path in flat}
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"checkpoint lacks parameters {missing[:6]}{'...' if len(missing) > 6 else ''}")
+    leaves = []
+    for key, path in expected.items():
+        want = flat[path]
+        w = weights[key]
+        if tuple(w.shape) != tuple(want.shape):
+            raise ValueError(f"parameter {key}: checkpoint shape {w.shape}, model expects {want.shape}")
+        leaves.append((path, want.replace(jnp.asarray(w, dtype=config.weight_dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def _weights_id(path: pathlib.Path) -> str:
+    """Hash of the file size and its first and last MiB: cheap, and stable for a given file."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(str(size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+         progress: bool = False) -> LoadedModel:
+    """Loads weights and tokenizer.
+
+    Args:
+      name_or_path: a registry name (`specjax.models.registry.known_models()`), a .gguf file or
+        an HF directory (config.json + *.safetensors + tokenizer.json).
+      dtype: compute dtype; float32 (default, fast on CPU) or bfloat16 (GPU/TPU).
+      param_dtype: storage dtype of the weights; defaults to `dtype`.
+      progress: show a progress bar while dequantizing.
+    """
+    from specjax.models import registry
+    from specjax.models.tokenizer import Tokenizer
+
+    path = registry.resolve(name_or_path)
+    name = name_or_path if name_or_path in PRESETS else path.stem
+    over = dict(dtype=dtype, param_dtype=param_dtype or dtype)
+    if path.is_dir():
+        config = hf_loader.config_from_hf(path, name=name, **over)
+        weights = hf_loader.weights_from_hf(path, config)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        reader = gguf_loader.open_reader(path)
+        config = gguf_loader.config_from_gguf(reader, name=name, **over)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = lambda it: tqdm(it, desc=f"loading {path.name}", unit="tensor", leave=False)
+        weights = gguf_loader.weights_from_gguf(reader, config, progress=bar)
+        tokenizer = Tokenizer.from_gguf(reader)
+    model = model_from_weights(config, weights)
+    return LoadedModel(model, tokenizer, config, str(path), _weights_id(path))
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes of all parameters (what a decode step streams from memory)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+

@@ -1,0 +1,1 @@
+"""specjax: speculative decoding in JAX."""

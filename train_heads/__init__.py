@@ -1,0 +1,1 @@
+"""Medusa head training (installed as specjax.train_heads)."""
