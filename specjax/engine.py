@@ -1,0 +1,304 @@
+"""Host side of decoding: validation, bucketing, compile cache, timing, streaming.
+
+Everything that shapes a program (batch size, prompt bucket, cache length, sampling method)
+is a key of the compile cache; everything else (prompt lengths, max_new_tokens, temperature,
+top-k, top-p, seed) is an array, so a second prompt in the same bucket reuses the program.
+Programs are compiled ahead of time (`jit(...).lower(...).compile()`), which is how compile
+time is reported apart from generation time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import decode, sampling
+from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.state import DecodeState
+
+DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_STOP_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """Per-call values; none of them changes a compiled program's shape except through buckets."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None  # default: the tokenizer's stop tokens
+
+    def validate(self) -> None:
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        sampling.validate(self.temperature, self.top_k, self.top_p)
+        if self.stop_ids is not None and len(self.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(self.stop_ids)} stop tokens: at most {MAX_STOP_IDS} are supported")
+
+
+@dataclasses.dataclass
+class Result:
+    """One prompt's generation. Rows of one batch share the batch's times."""
+
+    tokens: list[int]  # generated ids, the stop token included when one ended the row
+    text: str
+    new_tokens: int
+    target_forwards: int  # target forward passes after prefill while the row was active
+    ttft_s: float
+    wall_s: float  # generation time, compile excluded
+    compile_s: float
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "cache_full"
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+def round_up_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (int(n) - 1).bit_length())
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "sampling_config", "cache_length", "window")
+)
+def _prefill(graphdef, params, prompts, prompt_lengths, max_new, sp, stop_ids, keys, *,
+             sampling_config, cache_length, window):
+    model = nnx.merge(graphdef, params)
+    return decode.prefill(model, sampling_config, prompts, prompt_lengths, max_new, sp,
+                          stop_ids, keys, cache_length, window)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling_config"), donate_argnames=("state",))
+def _plain_loop(graphdef, params, state, stop_at, *, sampling_config):
+    model = nnx.merge(graphdef, params)
+    return decode.plain_loop(model, sampling_config, state, stop_at)
+
+
+class Engine:
+    """Decodes batches of prompts with one model; owns the compile cache.
+
+    Example:
+      >>> eng = Engine.load("smollm2-135m")
+      >>> eng.generate(["What is JAX?"], chat=True, max_new_tokens=32)[0].text
+    """
+
+    def __init__(self, model: nnx.Module, tokenizer=None, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 name: str = "custom"):
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.buckets = tuple(b for b in sorted(buckets) if b <= self.config.max_seq_len) or (
+            self.config.max_seq_len,)
+        self.graphdef, self.params = nnx.split(model)
+        self._compiled: dict[tuple, object] = {}
+        self.compile_count = 0
+
+    @classmethod
+    def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32", **kw) -> "Engine":
+        from specjax.models import loader
+
+        lm = loader.load(name_or_path, dtype=dtype)
+        return cls(lm.model, lm.tokenizer, name=lm.config.name, **kw)
+
+    # ---- input handling ------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
+        """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this Engine has no tokenizer: pass token ids, not strings")
+                if chat:
+                    p = self.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                    ids = self.tokenizer.encode(p, add_bos=False)
+                else:
+                    ids = self.tokenizer.encode(p)
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: give at least one token or character")
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:4]} outside [0, {self.config.vocab_size})")
+            out.append(ids)
+        return out
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise ValueError(
+            f"prompt of {length} tokens is longer than the largest bucket ({self.buckets[-1]}); "
+            "shorten the prompt or pass larger `buckets=` (up to the model's max_seq_len "
+            f"{self.config.max_seq_len})"
+        )
+
+    def _stop_ids(self, opts: GenerateOptions) -> tuple[int, ...]:
+        if opts.stop_ids is not None:
+            return tuple(opts.stop_ids)
+        return tuple(getattr(self.tokenizer, "stop_ids", ()) or ())
+
+    # ---- compile cache -------------------------------------------------------------------
+    def _program(self, kind: str, fn, statics: dict, *args):
+        key = (kind, tuple(sorted(statics.items())),
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **statics).compile()
+            self.compile_count += 1
+            self._last_compile_s = time.perf_counter() - t0
+        return self._compiled[key]
+
+    # ---- generation ----------------------------------------------------------------------
+    def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,
+              chat: bool = False, batch_size: int | None = None, window: int = 1,
+              sampling_config: SamplingConfig | None = None):
+        """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
+
+        Every check runs before anything is compiled, so bad input fails fast.
+        """
+        opts.validate()
+        ids = self.encode(prompts, chat=chat)
+        b = batch_size or len(ids)
+        if len(ids) > b:
+            raise ValueError(f"{len(ids)} prompts for batch_size={b}: split them (see generate)")
+        longest = max(len(x) for x in ids)
+        p = self.bucket_for(longest)
+        s = p + round_up_pow2(opts.max_new_tokens) + window
+        if longest + opts.max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({longest} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the "
+                f"model's context of {self.config.max_seq_len}; lower max_new_tokens")
+        stops = self._stop_ids(opts)
+        rows = ids + [ids[0]] * (b - len(ids))  # pad rows: finish after their first token
+        prompts_np = np.zeros((b, p), np.int32)
+        for r, x in enumerate(rows):
+            prompts_np[r, : len(x)] = x
+        stop_np = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        stop_np[:, : len(stops)] = stops
+        max_new = np.array([opts.max_new_tokens] * len(ids) + [1] * (b - len(ids)), np.int32)
+        sc = sampling_config or SamplingConfig(method="sample" if opts.temperature > 0 else "greedy")
+        args = (
+            jnp.asarray(prompts_np), jnp.asarray([len(x) for x in rows], jnp.int32),
+            jnp.asarray(max_new), SamplingParams.create(b, opts.temperature, opts.top_k, opts.top_p),
+            jnp.asarray(stop_np), jax.random.split(jax.random.key(opts.seed), b),
+        )
+        return Batch(self, args, n_real=len(ids), sampling_config=sc, cache_length=s, window=window)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False,
+                 batch_size: int | None = None, **kw) -> list[Result]:
+        """Generates for every prompt, in batches of `batch_size` (default: all at once)."""
+        opts = GenerateOptions(**kw)
+        opts.validate()
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        b = batch_size or len(prompts)
+        results: list[Result] = []
+        batches = [self.start(prompts[i:i + b], opts, chat=chat, batch_size=b)
+                   for i in range(0, len(prompts), b)]  # validate everything before any work
+        for batch in batches:
+            results.extend(batch.run())
+        return results
+
+
+class Batch:
+    """One fixed-shape batch: prefill, then decode to the end or in streaming chunks."""
+
+    def __init__(self, engine: Engine, args, *, n_real, sampling_config, cache_length, window):
+        self.engine, self.args, self.n_real = engine, args, n_real
+        self.statics = dict(sampling_config=sampling_config, cache_length=cache_length, window=window)
+        self.sampling_config = sampling_config
+        self.compile_s = 0.0
+        self._prefill = self._compile("prefill", _prefill, self.statics, *args)
+        abstract = jax.eval_shape(functools.partial(_prefill, **self.statics),
+                                  engine.graphdef, engine.params, *args)
+        stop_at = jax.ShapeDtypeStruct((), jnp.int32)
+        self._loop = self._compile("plain", _plain_loop, dict(sampling_config=sampling_config),
+                                   abstract, stop_at)
+        self.state: DecodeState | None = None
+        self.ttft_s = 0.0
+        self.decode_s = 0.0
+
+    def _compile(self, kind, fn, statics, *args):
+        before = self.engine.compile_count
+        prog = self.engine._program(kind, fn, statics, *args)
+        if self.engine.compile_count > before:
+            self.compile_s += self.engine._last_compile_s
+        return prog
+
+    def prefill(self) -> DecodeState:
+        t0 = time.perf_counter()
+        self.state = jax.block_until_ready(self._prefill(self.engine.params, *self.args))
+        self.ttft_s = time.perf_counter() - t0
+        return self.state
+
+    def decode(self, steps: int | None = None) -> DecodeState:
+        """Runs the loop until all rows are done, or for at most `steps` forwards."""
+        stop_at = jnp.asarray(np.iinfo(np.int32).max if steps is None else int(self.state.forwards) + steps,
+                              jnp.int32)
+        t0 = time.perf_counter()
+        self.state = jax.block_until_ready(self._loop(self.engine.params, self.state, stop_at))
+        self.decode_s += time.perf_counter() - t0
+        return self.state
+
+    @property
+    def finished(self) -> bool:
+        return bool(np.all(np.asarray(self.state.done)[: self.n_real]))
+
+    def run(self) -> list[Result]:
+        self.prefill()
+        if not self.finished:
+            self.decode()
+        return self.results()
+
+    def stream(self, chunk: int = 8) -> Iterator[list[list[int]]]:
+        """Yields, per chunk of decode steps, the new token ids of each row."""
+        self.prefill()
+        seen = np.asarray(self.state.prompt_lengths)
+        while True:
+            lengths = np.asarray(self.state.lengths)
+            toks = np.asarray(self.state.tokens)
+            yield [toks[r, seen[r]: lengths[r]].tolist() for r in range(self.n_real)]
+            seen = lengths
+            if self.finished:
+                return
+            self.decode(chunk)
+
+    def new_tokens(self) -> list[list[int]]:
+        s = self.state
+        toks, lens, plen = (np.asarray(x) for x in (s.tokens, s.lengths, s.prompt_lengths))
+        return [toks[r, plen[r]: lens[r]].tolist() for r in range(self.n_real)]
+
+    def results(self) -> list[Result]:
+        s = self.state
+        stops = np.asarray(s.stop_ids)
+        max_new = np.asarray(s.max_new)
+        fwd = np.asarray(s.row_forwards)
+        out = []
+        for r, toks in enumerate(self.new_tokens()):
+            if toks and toks[-1] in stops[r]:
+                reason = "stop_token"
+            elif len(toks) >= max_new[r]:
+                reason = "max_new_tokens"
+            else:
+                reason = "cache_full"
+            tok = self.engine.tokenizer
+            out.append(Result(
+                tokens=toks, text=tok.decode(toks, skip_special=True) if tok else "",
+                new_tokens=len(toks), target_forwards=int(fwd[r]), ttft_s=self.ttft_s,
+                wall_s=self.ttft_s + self.decode_s, compile_s=self.compile_s, stop_reason=reason,
+            ))
+        return out

@@ -1,0 +1,110 @@
+"""Logit processing and token sampling: temperature, top-k, top-p, per row.
+
+The method (greedy or sampled) shapes the program and is static; temperature, top-k and top-p
+are per-row arrays, so changing them never recompiles. The same `filtered_logits` is applied
+to the target's p and to a draft's q, which is what keeps speculative sampling lossless under
+top-k/top-p: both sides sample from the same transformed distributions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """Static sampling choice. `greedy` is argmax; `sample` draws from the filtered softmax."""
+
+    method: Literal["greedy", "sample"] = "greedy"
+
+    def __post_init__(self):
+        if self.method not in ("greedy", "sample"):
+            raise ValueError(f"sampling method {self.method!r}: use 'greedy' or 'sample'")
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-row sampling values. temperature 0 means argmax; top_k 0 and top_p 1 disable."""
+
+    temperature: Float[Array, "B"]
+    top_k: Int[Array, "B"]
+    top_p: Float[Array, "B"]
+
+    @classmethod
+    def create(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+        return cls(
+            temperature=jnp.full((batch,), temperature, jnp.float32),
+            top_k=jnp.full((batch,), top_k, jnp.int32),
+            top_p=jnp.full((batch,), top_p, jnp.float32),
+        )
+
+
+def validate(temperature: float, top_k: int, top_p: float) -> None:
+    """Raises one clear error for out-of-range sampling values (called before compiling)."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0 (0 decodes greedily)")
+    if int(top_k) != top_k or top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be an integer >= 0 (0 disables top-k)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 disables top-p)")
+
+
+def _expand(x: Array, ndim: int) -> Array:
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def filtered_logits(logits: Float[Array, "B *T V"], params: SamplingParams) -> Float[Array, "B *T V"]:
+    """Temperature-scaled logits with tokens outside top-k / top-p set to -inf (-1e30).
+
+    Rows at temperature 0 are scaled by 1; callers treat them as argmax (see `probs`).
+    """
+    logits = logits.astype(jnp.float32)
+    nd = logits.ndim
+    temp = _expand(params.temperature, nd)
+    logits = logits / jnp.where(temp > 0, temp, 1.0)
+    v = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.broadcast_to(_expand(params.top_k, nd), logits.shape[:-1] + (1,))
+    k = jnp.where((k <= 0) | (k > v), v, k)
+    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)  # [B, *T, 1]
+    rank = jnp.arange(v)
+    sorted_desc = jnp.where(rank < k, sorted_desc, NEG_INF)
+    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    # keep the smallest prefix whose mass reaches top_p: token i stays if the mass before it < p
+    keep = mass_before < _expand(params.top_p, nd)
+    n_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1, keepdims=True), 1)
+    pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    return jnp.where(logits >= jnp.maximum(kth, pth), logits, NEG_INF)
+
+
+def probs(logits: Float[Array, "B *T V"], params: SamplingParams) -> Float[Array, "B *T V"]:
+    """The distribution a row samples from: filtered softmax, or one-hot argmax at temperature 0."""
+    filt = filtered_logits(logits, params)
+    soft = jax.nn.softmax(filt, axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
+    greedy = _expand(params.temperature, logits.ndim) <= 0
+    return jnp.where(greedy, hard, soft)
+
+
+def sample(
+    config: SamplingConfig,
+    keys: Array,
+    logits: Float[Array, "B V"],
+    params: SamplingParams | None,
+) -> Int[Array, "B"]:
+    """One token per row. `keys` is a [B] array of PRNG keys (each row its own stream)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if config.method == "greedy":
+        return greedy
+    filt = filtered_logits(logits, params)
+    drawn = jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)

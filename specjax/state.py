@@ -1,0 +1,90 @@
+"""Decode state (the while-loop carry) and the commit step shared by every decoding path.
+
+Invariant: row b has committed `lengths[b]` tokens (prompt + generated) in `tokens[b]`; the
+cache holds K/V for positions `< lengths[b] - 1`. The last committed token is fed at the next
+step, at position `lengths[b] - 1`, alone (plain) or followed by K drafts (speculative).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Int
+
+from specjax.models.kv_cache import KVCache
+from specjax.sampling import SamplingParams
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: Int[Array, "B S"]  # token at each position: prompt, then generated
+    lengths: Int[Array, "B"]  # committed tokens per row
+    prompt_lengths: Int[Array, "B"]
+    max_new: Int[Array, "B"]  # per-row budget of new tokens
+    done: Bool[Array, "B"]
+    cache: KVCache
+    sampling: SamplingParams
+    stop_ids: Int[Array, "B E"]  # per-row stop tokens, padded with -1
+    keys: Array  # [B] PRNG keys, one stream per row
+    forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
+    row_forwards: Int[Array, "B"]  # target forwards while each row was still active
+
+    @property
+    def num_new(self) -> Int[Array, "B"]:
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+
+def step_keys(state: DecodeState, salt: int = 0) -> Array:
+    """Per-row keys for this step: row key folded with the row's position and a salt.
+
+    Keys depend on a row's own position, not on its batch neighbours or on the step count,
+    so a row samples the same stream whatever batch it is in.
+    """
+    fold = lambda k, p: jax.random.fold_in(jax.random.fold_in(k, p), salt)
+    return jax.vmap(fold)(state.keys, state.lengths)
+
+
+def last_tokens(state: DecodeState) -> Int[Array, "B"]:
+    """The committed token not yet in the cache (fed at position lengths - 1)."""
+    return jnp.take_along_axis(state.tokens, state.lengths[:, None] - 1, axis=1)[:, 0]
+
+
+def is_stop(tokens: Int[Array, "B W"], stop_ids: Int[Array, "B E"]) -> Bool[Array, "B W"]:
+    return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
+
+
+def commit(
+    state: DecodeState, new: Int[Array, "B W"], num: Int[Array, "B"], window: int
+) -> tuple[DecodeState, Int[Array, "B"]]:
+    """Appends the first `num[b]` tokens of `new[b]` to each active row.
+
+    Cuts the row at its first stop token (kept) and at its max_new budget, then marks rows
+    done that stopped, spent their budget, or have no room left for another `window`-token
+    step. Returns the new state and how many tokens each row actually took.
+    """
+    w = new.shape[1]
+    j = jnp.arange(w)[None, :]
+    stop = is_stop(new, state.stop_ids) & (j < num[:, None])
+    first_stop = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1) + 1, w)
+    budget = state.max_new - state.num_new
+    take = jnp.minimum(jnp.minimum(num, first_stop), budget)
+    take = jnp.where(state.done, 0, jnp.maximum(take, 0))
+    cols = state.lengths[:, None] + j
+    rows = jnp.arange(new.shape[0])[:, None]
+    old = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.capacity - 1), axis=1)
+    vals = jnp.where(j < take[:, None], new, old)
+    tokens = state.tokens.at[rows, cols].set(vals, mode="drop")
+    lengths = state.lengths + take
+    stopped = (stop & (j < take[:, None])).any(axis=1)
+    done = (
+        state.done
+        | stopped
+        | (lengths - state.prompt_lengths >= state.max_new)
+        | (lengths + window > state.capacity)
+    )
+    return state.replace(tokens=tokens, lengths=lengths, done=done), take

@@ -1,0 +1,45 @@
+"""Shared fixtures: strict numerics, tiny random models, the real model when it can be had."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+from specjax.models import config as model_config  # noqa: E402
+from specjax.models import loader  # noqa: E402
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return model_config.preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    return loader.init_model(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Path of the SmolLM2-135M GGUF, fetched through the registry; skips if it cannot be had."""
+    from specjax.models import registry
+
+    try:
+        return registry.resolve("smollm2-135m")
+    except registry.ModelNotFoundError as e:
+        pytest.skip(f"SmolLM2-135M not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The loaded real model (fp32), shared by the integration tests."""
+    return loader.load(str(smollm2_path))
