@@ -1,0 +1,127 @@
+"""`specjax` command line: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specjax.prompts import Prompt, read_prompts
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), "
+                        ".gguf file or HF directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype (float32 is the fast one on CPU)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(args) -> list[Prompt]:
+    if args.prompt is not None and args.prompts_file:
+        raise SystemExit("error: give --prompt or --prompts-file, not both")
+    if args.prompts_file:
+        return read_prompts(args.prompts_file, per_task=getattr(args, "per_task", None))
+    if args.prompt is None:
+        raise SystemExit("error: give --prompt TEXT or --prompts-file FILE")
+    if not args.prompt:
+        raise SystemExit("error: --prompt is empty")
+    return [Prompt(id=1, text=args.prompt)]
+
+
+def _record(p: Prompt, res, method: str) -> dict:
+    return {
+        "id": p.id, "task": p.task, "method": method, "text": res.text, "tokens": res.tokens,
+        "new_tokens": res.new_tokens, "target_forwards": res.target_forwards,
+        "ttft_s": round(res.ttft_s, 6), "wall_s": round(res.wall_s, 6),
+        "tok_per_s": round(res.tok_per_s, 3), "compile_s": round(res.compile_s, 3),
+        "stop_reason": res.stop_reason, **res.extra,
+    }
+
+
+def cmd_generate(args) -> int:
+    from specjax.engine import Engine, GenerateOptions
+
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    opts.validate()  # fail before the model is loaded
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
+    prompts = _prompts(args)
+    engine = Engine.load(args.model, dtype=args.dtype)
+    texts = [p.text for p in prompts]
+    b = min(args.batch_size, len(prompts))
+    batches = [engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b)
+               for i in range(0, len(texts), b)]
+    for i, batch in zip(range(0, len(texts), b), batches):
+        if args.json:
+            for p, res in zip(prompts[i:i + b], batch.run()):
+                print(json.dumps(_record(p, res, "none"), ensure_ascii=False), flush=True)
+        elif batch.n_real == 1:
+            dec = engine.tokenizer.decode_stream(skip_special=True)
+            for new in batch.stream(chunk=4):
+                sys.stdout.write(dec.push(new[0]))
+                sys.stdout.flush()
+            res = batch.results()[0]
+            sys.stdout.write(dec.flush() + "\n")
+            print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, ttft {res.ttft_s * 1e3:.0f} ms, "
+                  f"compile {res.compile_s:.1f} s]", file=sys.stderr)
+        else:
+            for p, res in zip(prompts[i:i + b], batch.run()):
+                print(f"--- {p.id} ---\n{res.text}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specjax import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams, or --json records)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="tokens/s against HF transformers and the memory roofline")
+    _add_model_args(b)
+    b.add_argument("--prompts-file", default=None,
+                   help="prompt file (default: a synthetic ~100-token prompt)")
+    b.add_argument("--per-task", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    b.add_argument("--chat", action="store_true")
+    b.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # our validation errors: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Prompt files: Spec-Bench-shaped JSON lines, or plain text (one prompt per line)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str | int
+    text: str
+    task: str | None = None
+
+
+def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
+                 tasks: tuple[str, ...] | None = None) -> list[Prompt]:
+    """Reads prompts from `path`.
+
+    JSON lines in the shape of Spec-Bench's question file (`question_id`, `task`, `turns`: the
+    first turn is the prompt), or plain text lines. Blank lines are skipped.
+
+    Args:
+      per_task: keep only the first N prompts of each task class.
+      tasks: keep only these task classes.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {str(path)!r} does not exist")
+    lines = [(i, ln) for i, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if ln.strip()]
+    if not lines:
+        raise ValueError(f"prompt file {str(path)!r} is empty: give JSON lines or one prompt per line")
+    as_json = lines[0][1].lstrip().startswith("{")
+    prompts = []
+    for lineno, ln in lines:
+        if not as_json:
+            prompts.append(Prompt(id=lineno, text=ln))
+            continue
+        try:
+            obj = json.loads(ln)
+            turns = obj["turns"]
+            text = turns[0] if isinstance(turns, list) else turns
+            if not isinstance(text, str) or not text:
+                raise ValueError("empty first turn")
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}:{lineno}: malformed prompt line ({type(e).__name__}: {e}); expected a JSON "
+                'object like {"question_id": 1, "task": "qa", "turns": ["..."]}'
+            ) from e
+        prompts.append(Prompt(id=obj.get("question_id", lineno), text=text, task=obj.get("task")))
+    if tasks:
+        prompts = [p for p in prompts if p.task in tasks]
+    if per_task:
+        seen: dict[str | None, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.task] = seen.get(p.task, 0) + 1
+            if seen[p.task] <= per_task:
+                kept.append(p)
+        prompts = kept
+    return prompts
