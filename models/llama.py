@@ -136,7 +136,7 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         wd = config.weight_dtype
-        self.embed = _param(rngs, (config.vocab_size, config.dim), wd, 1.0)
+        self.embed = _param(rngs, (config.vocab_size, config.dim), wd, config.dim**-0.5)
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.dim, config.norm_eps, wd)
         if not config.tie_embeddings:

@@ -19,8 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import decode, sampling
+from specjax import decode, sampling, speculative
+from specjax.config import SpecConfig
+from specjax.proposers import DraftModelProposer, NgramProposer
 from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.speculative import SpecState, SpecStats
 from specjax.state import DecodeState
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -85,6 +88,26 @@ def _plain_loop(graphdef, params, state, stop_at, *, sampling_config):
     return decode.plain_loop(model, sampling_config, state, stop_at)
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "proposer", "sampling_config", "cache_length", "window"),
+)
+def _spec_prefill(graphdef, params, pparams, prompts, prompt_lengths, max_new, sp, stop_ids, keys,
+                  *, proposer, sampling_config, cache_length, window):
+    model = nnx.merge(graphdef, params)
+    state, hidden = decode.prefill(model, sampling_config, prompts, prompt_lengths, max_new, sp,
+                                   stop_ids, keys, cache_length, window)
+    pstate = proposer.init(pparams, state, prompts, hidden)
+    return SpecState(decode=state, proposer=pstate, stats=SpecStats.zeros(prompts.shape[0], proposer.k))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "sampling_config"),
+                   donate_argnames=("state",))
+def _spec_loop(graphdef, params, pparams, state, stop_at, *, proposer, sampling_config):
+    model = nnx.merge(graphdef, params)
+    return speculative.spec_loop(model, proposer, pparams, sampling_config, state, stop_at)
+
+
 class Engine:
     """Decodes batches of prompts with one model; owns the compile cache.
 
@@ -94,7 +117,7 @@ class Engine:
     """
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 name: str = "custom"):
+                 name: str = "custom", draft: nnx.Module | None = None, draft_tokenizer=None):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -104,13 +127,53 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         self._compiled: dict[tuple, object] = {}
         self.compile_count = 0
+        self.draft = None
+        if draft is not None:
+            self.set_draft(draft, draft_tokenizer)
 
     @classmethod
-    def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32", **kw) -> "Engine":
+    def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32",
+             draft_model: str | None = None, **kw) -> "Engine":
+        """Loads a registry model (and optionally a draft model with the same vocabulary)."""
         from specjax.models import loader
 
         lm = loader.load(name_or_path, dtype=dtype)
-        return cls(lm.model, lm.tokenizer, name=lm.config.name, **kw)
+        eng = cls(lm.model, lm.tokenizer, name=lm.config.name, **kw)
+        if draft_model is not None:
+            d = loader.load(draft_model, dtype=dtype)
+            eng.set_draft(d.model, d.tokenizer)
+        return eng
+
+    def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
+        """Sets the draft model of `method="draft"`; its vocabulary must be the target's."""
+        dc = draft.config
+        if dc.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({dc.vocab_size} tokens) differs from the target's "
+                f"({self.config.vocab_size}); a draft must share the target's tokenizer")
+        if tokenizer is not None and self.tokenizer is not None:
+            probe = "Hello, world! 12345 def f(x): return x"
+            if tokenizer.encode(probe, add_bos=False) != self.tokenizer.encode(probe, add_bos=False):
+                raise ValueError("draft model tokenizer encodes text differently from the target's; "
+                                 "a draft must share the target's tokenizer")
+        if dc.num_params > self.config.num_params:
+            import warnings
+
+            warnings.warn(f"draft model ({dc.num_params / 1e6:.0f}M params) is larger than its target "
+                          f"({self.config.num_params / 1e6:.0f}M): speculation will be slower than plain")
+        self.draft = nnx.split(draft)
+
+    def proposer(self, spec: SpecConfig):
+        """The static proposer and its traced parameters for `spec`."""
+        if spec.method == "ngram":
+            return NgramProposer(k=spec.k, min_n=spec.ngram_min, max_n=spec.ngram_max), None
+        if spec.method == "draft":
+            if self.draft is None:
+                raise ValueError("method 'draft' needs a draft model: Engine.load(..., draft_model=NAME) "
+                                 "or --draft-model NAME")
+            graphdef, params = self.draft
+            return DraftModelProposer(k=spec.k, graphdef=graphdef), params
+        raise ValueError(f"method {spec.method!r} has no proposer")
 
     # ---- input handling ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
@@ -163,13 +226,15 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------
     def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,
-              chat: bool = False, batch_size: int | None = None, window: int = 1,
+              chat: bool = False, batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
               sampling_config: SamplingConfig | None = None):
         """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
 
         Every check runs before anything is compiled, so bad input fails fast.
         """
         opts.validate()
+        window = spec.window
+        proposer = self.proposer(spec) if spec.method != "none" else None
         ids = self.encode(prompts, chat=chat)
         b = batch_size or len(ids)
         if len(ids) > b:
@@ -195,11 +260,20 @@ class Engine:
             jnp.asarray(max_new), SamplingParams.create(b, opts.temperature, opts.top_k, opts.top_p),
             jnp.asarray(stop_np), jax.random.split(jax.random.key(opts.seed), b),
         )
-        return Batch(self, args, n_real=len(ids), sampling_config=sc, cache_length=s, window=window)
+        return Batch(self, args, n_real=len(ids), sampling_config=sc, cache_length=s, window=window,
+                     spec=spec, proposer=proposer)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False,
-                 batch_size: int | None = None, **kw) -> list[Result]:
-        """Generates for every prompt, in batches of `batch_size` (default: all at once)."""
+                 batch_size: int | None = None, spec: SpecConfig = SpecConfig(), **kw) -> list[Result]:
+        """Generates for every prompt, in batches of `batch_size` (default: all at once).
+
+        Args:
+          prompts: strings (tokenized here) or lists of token ids.
+          chat: wrap each string prompt in the model's chat template as a user turn.
+          batch_size: rows per compiled batch; the last batch is padded.
+          spec: speculation method and K (`SpecConfig`); the default is the plain loop.
+          **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p, seed, stop_ids.
+        """
         opts = GenerateOptions(**kw)
         opts.validate()
         prompts = list(prompts)
@@ -207,7 +281,7 @@ class Engine:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
         results: list[Result] = []
-        batches = [self.start(prompts[i:i + b], opts, chat=chat, batch_size=b)
+        batches = [self.start(prompts[i:i + b], opts, chat=chat, batch_size=b, spec=spec)
                    for i in range(0, len(prompts), b)]  # validate everything before any work
         for batch in batches:
             results.extend(batch.run())
@@ -217,18 +291,26 @@ class Engine:
 class Batch:
     """One fixed-shape batch: prefill, then decode to the end or in streaming chunks."""
 
-    def __init__(self, engine: Engine, args, *, n_real, sampling_config, cache_length, window):
-        self.engine, self.args, self.n_real = engine, args, n_real
-        self.statics = dict(sampling_config=sampling_config, cache_length=cache_length, window=window)
-        self.sampling_config = sampling_config
+    def __init__(self, engine: Engine, args, *, n_real, sampling_config, cache_length, window,
+                 spec: SpecConfig, proposer=None):
+        self.engine, self.n_real, self.spec = engine, n_real, spec
         self.compile_s = 0.0
-        self._prefill = self._compile("prefill", _prefill, self.statics, *args)
-        abstract = jax.eval_shape(functools.partial(_prefill, **self.statics),
+        statics = dict(sampling_config=sampling_config, cache_length=cache_length, window=window)
+        loop_statics = dict(sampling_config=sampling_config)
+        prefill_fn, loop_fn = _prefill, _plain_loop
+        if proposer is not None:
+            proposer, pparams = proposer
+            args = (pparams,) + tuple(args)
+            statics["proposer"] = loop_statics["proposer"] = proposer
+            prefill_fn, loop_fn = _spec_prefill, _spec_loop
+        self.args = args
+        self.loop_args = args[:1] if proposer is not None else ()
+        self._prefill = self._compile("prefill", prefill_fn, statics, *args)
+        abstract = jax.eval_shape(functools.partial(prefill_fn, **statics),
                                   engine.graphdef, engine.params, *args)
         stop_at = jax.ShapeDtypeStruct((), jnp.int32)
-        self._loop = self._compile("plain", _plain_loop, dict(sampling_config=sampling_config),
-                                   abstract, stop_at)
-        self.state: DecodeState | None = None
+        self._loop = self._compile("loop", loop_fn, loop_statics, *self.loop_args, abstract, stop_at)
+        self.state: DecodeState | SpecState | None = None
         self.ttft_s = 0.0
         self.decode_s = 0.0
 
@@ -247,16 +329,21 @@ class Batch:
 
     def decode(self, steps: int | None = None) -> DecodeState:
         """Runs the loop until all rows are done, or for at most `steps` forwards."""
-        stop_at = jnp.asarray(np.iinfo(np.int32).max if steps is None else int(self.state.forwards) + steps,
-                              jnp.int32)
+        forwards = int(self.decode_state.forwards)
+        stop_at = jnp.asarray(np.iinfo(np.int32).max if steps is None else forwards + steps, jnp.int32)
         t0 = time.perf_counter()
-        self.state = jax.block_until_ready(self._loop(self.engine.params, self.state, stop_at))
+        self.state = jax.block_until_ready(
+            self._loop(self.engine.params, *self.loop_args, self.state, stop_at))
         self.decode_s += time.perf_counter() - t0
         return self.state
 
     @property
+    def decode_state(self) -> DecodeState:
+        return self.state.decode if isinstance(self.state, SpecState) else self.state
+
+    @property
     def finished(self) -> bool:
-        return bool(np.all(np.asarray(self.state.done)[: self.n_real]))
+        return bool(np.all(np.asarray(self.decode_state.done)[: self.n_real]))
 
     def run(self) -> list[Result]:
         self.prefill()
@@ -267,10 +354,10 @@ class Batch:
     def stream(self, chunk: int = 8) -> Iterator[list[list[int]]]:
         """Yields, per chunk of decode steps, the new token ids of each row."""
         self.prefill()
-        seen = np.asarray(self.state.prompt_lengths)
+        seen = np.asarray(self.decode_state.prompt_lengths)
         while True:
-            lengths = np.asarray(self.state.lengths)
-            toks = np.asarray(self.state.tokens)
+            lengths = np.asarray(self.decode_state.lengths)
+            toks = np.asarray(self.decode_state.tokens)
             yield [toks[r, seen[r]: lengths[r]].tolist() for r in range(self.n_real)]
             seen = lengths
             if self.finished:
@@ -278,12 +365,12 @@ class Batch:
             self.decode(chunk)
 
     def new_tokens(self) -> list[list[int]]:
-        s = self.state
+        s = self.decode_state
         toks, lens, plen = (np.asarray(x) for x in (s.tokens, s.lengths, s.prompt_lengths))
         return [toks[r, plen[r]: lens[r]].tolist() for r in range(self.n_real)]
 
     def results(self) -> list[Result]:
-        s = self.state
+        s = self.decode_state
         stops = np.asarray(s.stop_ids)
         max_new = np.asarray(s.max_new)
         fwd = np.asarray(s.row_forwards)
@@ -300,5 +387,18 @@ class Batch:
                 tokens=toks, text=tok.decode(toks, skip_special=True) if tok else "",
                 new_tokens=len(toks), target_forwards=int(fwd[r]), ttft_s=self.ttft_s,
                 wall_s=self.ttft_s + self.decode_s, compile_s=self.compile_s, stop_reason=reason,
+                extra=self._telemetry(r, len(toks), int(fwd[r])),
             ))
         return out
+
+    def _telemetry(self, r: int, new_tokens: int, forwards: int) -> dict:
+        """Speculation counters of row r; tau counts tokens per target forward after prefill."""
+        out = {"method": self.spec.method}
+        tau = (new_tokens - 1) / forwards if forwards else 1.0
+        if not isinstance(self.state, SpecState):
+            return {**out, "k": 0, "tau": tau}
+        st = jax.tree.map(lambda x: np.asarray(x)[r], self.state.stats)
+        return {**out, "k": self.spec.k, "tau": tau, "drafted": int(st.drafted),
+                "accepted": int(st.accepted),
+                "accepted_per_position": st.accepted_per_position.tolist(),
+                "accept_hist": st.accept_hist.tolist()}

