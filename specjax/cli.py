@@ -25,6 +25,27 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    if many:
+        p.add_argument("--methods", default="none",
+                       help="comma-separated: none,ngram,draft (none is always measured as baseline)")
+    else:
+        p.add_argument("--method", default="none", choices=["none", "ngram", "draft"],
+                       help="speculation method (none = plain decoding)")
+    p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
+    p.add_argument("--draft-model", default=None, help="draft model for --method draft")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
+
+
+def _spec(args):
+    from specjax.config import SpecConfig
+
+    if args.method == "none":
+        return SpecConfig()
+    return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+
+
 def _prompts(args) -> list[Prompt]:
     if args.prompt is not None and args.prompts_file:
         raise SystemExit("error: give --prompt or --prompts-file, not both")
@@ -37,9 +58,9 @@ def _prompts(args) -> list[Prompt]:
     return [Prompt(id=1, text=args.prompt)]
 
 
-def _record(p: Prompt, res, method: str) -> dict:
+def _record(p: Prompt, res) -> dict:
     return {
-        "id": p.id, "task": p.task, "method": method, "text": res.text, "tokens": res.tokens,
+        "id": p.id, "task": p.task, "text": res.text, "tokens": res.tokens,
         "new_tokens": res.new_tokens, "target_forwards": res.target_forwards,
         "ttft_s": round(res.ttft_s, 6), "wall_s": round(res.wall_s, 6),
         "tok_per_s": round(res.tok_per_s, 3), "compile_s": round(res.compile_s, 3),
@@ -53,18 +74,21 @@ def cmd_generate(args) -> int:
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     opts.validate()  # fail before the model is loaded
+    spec = _spec(args)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
+    if spec.method == "draft" and not args.draft_model:
+        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
     prompts = _prompts(args)
-    engine = Engine.load(args.model, dtype=args.dtype)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
     texts = [p.text for p in prompts]
     b = min(args.batch_size, len(prompts))
-    batches = [engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b)
+    batches = [engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec)
                for i in range(0, len(texts), b)]
     for i, batch in zip(range(0, len(texts), b), batches):
         if args.json:
             for p, res in zip(prompts[i:i + b], batch.run()):
-                print(json.dumps(_record(p, res, "none"), ensure_ascii=False), flush=True)
+                print(json.dumps(_record(p, res), ensure_ascii=False), flush=True)
         elif batch.n_real == 1:
             dec = engine.tokenizer.decode_stream(skip_special=True)
             for new in batch.stream(chunk=4):
@@ -72,8 +96,9 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
             res = batch.results()[0]
             sys.stdout.write(dec.flush() + "\n")
-            print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, ttft {res.ttft_s * 1e3:.0f} ms, "
-                  f"compile {res.compile_s:.1f} s]", file=sys.stderr)
+            sys.stdout.flush()
+            print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, tau {res.extra['tau']:.2f}, "
+                  f"ttft {res.ttft_s * 1e3:.0f} ms, compile {res.compile_s:.1f} s]", file=sys.stderr)
         else:
             for p, res in zip(prompts[i:i + b], batch.run()):
                 print(f"--- {p.id} ---\n{res.text}")
@@ -93,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text (streams, or --json records)")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_spec_args(g)
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -100,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="tokens/s against HF transformers and the memory roofline")
+    b = sub.add_parser("bench", help="plain vs HF and the roofline; speculative methods vs plain")
     _add_model_args(b)
+    _add_spec_args(b, many=True)
     b.add_argument("--prompts-file", default=None,
                    help="prompt file (default: a synthetic ~100-token prompt)")
-    b.add_argument("--per-task", type=int, default=None)
+    b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
+    b.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
