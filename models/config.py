@@ -37,6 +37,11 @@ class ModelConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
+        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f}={getattr(self, f)}: must be >= 1")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: must be even (rotary embedding pairs)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                     f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

@@ -60,8 +60,12 @@ def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfi
     tensors = {t.name for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
     dim = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    embed_rows = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1]
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFError("GGUF file has no token_embd.weight tensor; it is not a complete model")
+    embed_rows = int(embed.shape[1])
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else embed_rows)
     kw = dict(
         name=name,
         vocab_size=int(max(vocab, embed_rows)),

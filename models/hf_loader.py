@@ -44,7 +44,8 @@ def config_from_hf(path: str | pathlib.Path, *, name: str = "custom", **override
         num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         ffn_dim=c["intermediate_size"],
-        rope_theta=float(c.get("rope_theta", 10_000.0)),
+        # transformers >= 5 writes it under rope_parameters
+        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10_000.0)),
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get("attention_bias", "Qwen2ForCausalLM" in archs)),
@@ -74,6 +75,9 @@ def weights_from_hf(path: str | pathlib.Path, config: ModelConfig) -> dict[str, 
                     out["lm_head"] = w.T
             elif name.startswith("model.layers."):
                 _, _, idx, rest = name.split(".", 3)
-                if rest in _LAYER_NAMES:
-                    out[f"layers.{idx}.{_LAYER_NAMES[rest]}"] = w.T if w.ndim == 2 else w
+                if rest not in _LAYER_NAMES:
+                    raise ValueError(
+                        f"{name}: specjax's Llama has no such parameter (an o_proj or MLP bias?); "
+                        "this checkpoint variant is not supported")
+                out[f"layers.{idx}.{_LAYER_NAMES[rest]}"] = w.T if w.ndim == 2 else w
     return out

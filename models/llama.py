@@ -40,14 +40,15 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x32 * scale).astype(x.dtype)
 
 
 def rope(x: Float[Array, "B T ... H"], positions: Int[Array, "B T"], theta: float):
     """Rotary embedding, rotate-half layout (HF); GGUF's interleaved q/k are un-permuted at load."""
     h = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
     angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[2:])
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -73,7 +74,7 @@ class Attention(nnx.Module):
         dt = self.config.compute_dtype
         y = x @ getattr(self, "w" + name)[...].astype(dt)
         if self.config.qkv_bias and name != "o":
-            y = y + getattr(self, "b" + name)[...].astype(dt)
+            y = y + getattr(self, "b" + name)[...].astype(dt)[None, None, :]
         return y
 
     def __call__(

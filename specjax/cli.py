@@ -83,9 +83,9 @@ def cmd_generate(args) -> int:
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
     texts = [p.text for p in prompts]
     b = min(args.batch_size, len(prompts))
-    batches = [engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec)
-               for i in range(0, len(texts), b)]
-    for i, batch in zip(range(0, len(texts), b), batches):
+    engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
+    for i in range(0, len(texts), b):
+        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec)
         if args.json:
             for p, res in zip(prompts[i:i + b], batch.run()):
                 print(json.dumps(_record(p, res), ensure_ascii=False), flush=True)

@@ -280,12 +280,23 @@ class Engine:
         if not prompts:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
+        self.check(prompts, opts, chat=chat)  # every prompt is validated before anything compiles
         results: list[Result] = []
-        batches = [self.start(prompts[i:i + b], opts, chat=chat, batch_size=b, spec=spec)
-                   for i in range(0, len(prompts), b)]  # validate everything before any work
-        for batch in batches:
-            results.extend(batch.run())
+        for i in range(0, len(prompts), b):
+            results.extend(self.start(prompts[i:i + b], opts, chat=chat, batch_size=b, spec=spec).run())
         return results
+
+    def check(self, prompts, opts: GenerateOptions, *, chat: bool = False) -> list[list[int]]:
+        """Validates prompts and options without compiling; returns the token ids."""
+        opts.validate()
+        ids = self.encode(prompts, chat=chat)
+        for x in ids:
+            self.bucket_for(len(x))
+            if len(x) + opts.max_new_tokens > self.config.max_seq_len:
+                raise ValueError(
+                    f"prompt ({len(x)} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the "
+                    f"model's context of {self.config.max_seq_len}; lower max_new_tokens")
+        return ids
 
 
 class Batch:

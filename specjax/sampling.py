@@ -75,12 +75,13 @@ def filtered_logits(logits: Float[Array, "B *T V"], params: SamplingParams) -> F
     k = jnp.broadcast_to(_expand(params.top_k, nd), logits.shape[:-1] + (1,))
     k = jnp.where((k <= 0) | (k > v), v, k)
     kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)  # [B, *T, 1]
-    rank = jnp.arange(v)
+    rank = jnp.arange(v).reshape((1,) * (nd - 1) + (v,))
     sorted_desc = jnp.where(rank < k, sorted_desc, NEG_INF)
     sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     # keep the smallest prefix whose mass reaches top_p: token i stays if the mass before it < p
-    keep = mass_before < _expand(params.top_p, nd)
+    top_p = _expand(params.top_p, nd)
+    keep = (mass_before < top_p) | (top_p >= 1.0)
     n_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
     return jnp.where(logits >= jnp.maximum(kth, pth), logits, NEG_INF)

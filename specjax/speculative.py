@@ -62,7 +62,7 @@ class SpecState:
 def verify(target: Llama, state: DecodeState, draft: Int[Array, "B K"]) -> Output:
     """One target forward over [pending token, drafts] at positions lengths-1 .. lengths-1+K."""
     window = jnp.concatenate([last_tokens(state)[:, None], draft], axis=1)
-    positions = state.lengths[:, None] - 1 + jnp.arange(window.shape[1])
+    positions = state.lengths[:, None] - 1 + jnp.arange(window.shape[1])[None, :]
     return target(window, positions, state.cache)
 
 

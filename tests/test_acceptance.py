@@ -15,13 +15,6 @@ ALPHA = 1e-3  # chi-square p-value threshold; the seeds are fixed, so the tests 
 ZERO = -1e4  # a logit whose softmax weight is exactly 0 in float32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the library bug documented by `test_speculative_under_strict_rank_promotion`."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 speculative = jax.jit(acceptance.speculative)
 accept = jax.jit(acceptance.accept, static_argnums=0)
 probs = jax.jit(sampling.probs)
@@ -189,9 +182,6 @@ def test_top_p_applies_to_p():
     assert chi_square_p(nxt[n == 1], nucleus) > ALPHA  # the bonus is drawn from the filtered p
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG specjax/sampling.py:79 compares rank [V] with k [B, *T, 1] by implicit rank promotion, "
-    "which tests/conftest.py sets to 'raise'"))
 def test_speculative_under_strict_rank_promotion():
     with jax.numpy_rank_promotion("raise"):
         speculative(_keys(2), jnp.zeros((2, 1), jnp.int32), None, jnp.zeros((2, 2, 4)),

@@ -29,13 +29,6 @@ PROMPTS = {  # token-id prompts of different lengths, all in bucket 8
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the rank-promotion bugs (see test_sampling_under_strict_rank_promotion)."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def compiles():
     """Counts XLA backend compiles, independently of `Engine.compile_count`."""
@@ -360,31 +353,18 @@ def test_sample_temperature_zero_row_is_argmax():
     assert np.any(draws[1::2] != argmax[1::2])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG specjax/sampling.py:83 keeps token i iff float32 cumsum-before-i < top_p; for a peaked "
-    "distribution the cumsum reaches 1.0 before the tail, so top_p=1 (documented as 'disables') still "
-    "drops tail tokens: here 980 of 1000 (true mass 2.4e-7)"))
 def test_top_p_one_filters_nothing():
     logits = jax.random.normal(jax.random.key(1), (1, 1000)) * 10
     filtered = jax.jit(sampling.filtered_logits)(logits, SamplingParams.create(1, 1.0, 0, 1.0))
     np.testing.assert_array_equal(np.asarray(filtered), np.asarray(logits))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG specjax/sampling.py:79 (and :84) compare rank [V] with k [B, 1] by implicit rank promotion, "
-    "which tests/conftest.py sets to 'raise'"))
 def test_sampling_under_strict_rank_promotion():
     with jax.numpy_rank_promotion("raise"):
         sampling.filtered_logits(jnp.zeros((2, 8)), SamplingParams.create(2, 1.0, 3, 0.9))
 
 
 # ---- bad input -----------------------------------------------------------------------------------
-
-
-LATE_CHECK = pytest.mark.xfail(strict=True, reason=(
-    "BUG specjax/engine.py:284 generate(): the list comprehension meant to 'validate everything before "
-    "any work' builds each Batch, and Batch.__init__ compiles, so batch 1 is compiled before batch 2's "
-    "bad prompt is rejected (compile_count 2, not 0)"))
 
 
 @pytest.mark.parametrize(
@@ -407,8 +387,8 @@ LATE_CHECK = pytest.mark.xfail(strict=True, reason=(
         pytest.param([[-1, 3]], {}, "outside \\[0, 64\\)", id="token-id<0"),
         pytest.param(["text"], {}, "no tokenizer", id="text-without-tokenizer"),
         pytest.param([], {}, "no prompts", id="no-prompts"),
-        pytest.param([[1, 2], [70]], {"batch_size": 1}, "prompt 0 has token ids \\[70\\]",
-                     id="bad-prompt-in-2nd-batch", marks=LATE_CHECK),
+        pytest.param([[1, 2], [70]], {"batch_size": 1}, "prompt 1 has token ids \\[70\\]",
+                     id="bad-prompt-in-2nd-batch"),
     ],
 )
 def test_bad_input_fails_before_compiling(tiny_model, prompts, kw, match):

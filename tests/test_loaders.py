@@ -38,13 +38,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the rank-promotion bug in models/llama.py (see test_model.py's strict xfail)."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 # ---- helpers -----------------------------------------------------------------------------------
 
 
@@ -308,10 +301,6 @@ def test_gguf_without_permutation_differs(tmp_path, sources, source_logits):
     assert np.abs(logits(loader.model_from_weights(config, weights)) - source_logits["llama"]).max() > 1e-2
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "BUG models/gguf_loader.py:63 config_from_gguf reads reader.fields['tokenizer.ggml.tokens'] when "
-    "{arch}.vocab_size is absent: a GGUF without tokenizer metadata raises a bare KeyError instead of "
-    "using token_embd's rows (computed on the next line) or raising GGUFError"))
 def test_gguf_vocab_from_embedding_without_tokenizer(tmp_path, sources):
     path = write_gguf(tmp_path / "src.gguf", sources["llama"], tokenizer=False, vocab_key=False)
     config = gguf_loader.config_from_gguf(gguf_loader.open_reader(path))

@@ -43,13 +43,6 @@ SETTINGS = {
 PAIRS = ((0, 1), (1, 2), (2, 3))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the rank-promotion bugs documented in test_acceptance.py / test_speculative.py."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def target():
     return loader.init_model(CONFIG, seed=0)

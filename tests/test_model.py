@@ -15,21 +15,6 @@ from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the library bug documented by `test_forward_under_strict_rank_promotion`.
-
-    conftest sets jax_numpy_rank_promotion="raise", but llama.py broadcasts [D] against [B, T, D];
-    every other test here runs with promotion allowed so that it still checks something.
-    """
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG models/llama.py:43 (RMSNorm: x [B,T,D] * scale [D]), :50 (rope: positions [B,T,1] * "
-    "inv_freq [H/2]) and :76 (qkv bias: [B,T,N*H] + [N*H]) rely on implicit rank promotion, which "
-    "tests/conftest.py sets to 'raise': every forward fails under the project's own test config"))
 @pytest.mark.parametrize("variant", ["plain", "qkv_bias+untied"])
 def test_forward_under_strict_rank_promotion(runners, variant):
     r = runners[variant]
@@ -317,14 +302,9 @@ def test_config_validation(overrides, match):
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param({"num_kv_heads": 0}, id="num_kv_heads=0", marks=pytest.mark.xfail(
-            strict=True, raises=ZeroDivisionError,
-            reason="BUG models/config.py:40 `num_heads % num_kv_heads` raises ZeroDivisionError")),
-        pytest.param({"head_dim": 7}, id="head_dim=7", marks=pytest.mark.xfail(
-            strict=True, reason="BUG models/config.py:39 __post_init__ accepts an odd head_dim; "
-                                "llama.rope splits it in halves and fails later, inside jit")),
-        pytest.param({"vocab_size": 0}, id="vocab_size=0", marks=pytest.mark.xfail(
-            strict=True, reason="BUG models/config.py:39 __post_init__ does not check sizes are > 0")),
+        pytest.param({"num_kv_heads": 0}, id="num_kv_heads=0"),
+        pytest.param({"head_dim": 7}, id="head_dim=7"),
+        pytest.param({"vocab_size": 0}, id="vocab_size=0"),
     ],
 )
 def test_config_rejects_impossible_sizes(overrides):

