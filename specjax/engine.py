@@ -232,20 +232,15 @@ class Engine:
 
         Every check runs before anything is compiled, so bad input fails fast.
         """
-        opts.validate()
+        ids = self.check(prompts, opts, chat=chat)
         window = spec.window
         proposer = self.proposer(spec) if spec.method != "none" else None
-        ids = self.encode(prompts, chat=chat)
         b = batch_size or len(ids)
         if len(ids) > b:
             raise ValueError(f"{len(ids)} prompts for batch_size={b}: split them (see generate)")
         longest = max(len(x) for x in ids)
         p = self.bucket_for(longest)
         s = p + round_up_pow2(opts.max_new_tokens) + window
-        if longest + opts.max_new_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"prompt ({longest} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the "
-                f"model's context of {self.config.max_seq_len}; lower max_new_tokens")
         stops = self._stop_ids(opts)
         rows = ids + [ids[0]] * (b - len(ids))  # pad rows: finish after their first token
         prompts_np = np.zeros((b, p), np.int32)
@@ -275,7 +270,6 @@ class Engine:
           **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p, seed, stop_ids.
         """
         opts = GenerateOptions(**kw)
-        opts.validate()
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
