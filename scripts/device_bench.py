@@ -11,7 +11,7 @@ import jax
 
 from specjax.bench import window_costs
 from specjax.config import SpecConfig
-from specjax.engine import Engine, GenerateOptions
+from specjax.engine import Engine
 from specjax.models import config, loader
 
 print("devices:", jax.devices())
