@@ -173,11 +173,11 @@ class Llama(nnx.Module):
             vs.append(v_buf)
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
 
-    def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
-        """LM head: the tied embedding (`BTD,VD->BTV`) or an own projection."""
+    def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
+        """LM head: the tied embedding (`...D,VD->...V`) or an own projection."""
         dt = self.config.compute_dtype
         if self.config.tie_embeddings:
-            return jnp.einsum("BTD,VD->BTV", hidden, self.embed[...].astype(dt))
+            return jnp.einsum("...D,VD->...V", hidden, self.embed[...].astype(dt))
         return hidden @ self.lm_head[...].astype(dt)
 
     def __call__(self, tokens, positions, cache, *, start=None, window_mask=None) -> Output:

@@ -28,14 +28,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     if many:
         p.add_argument("--methods", default="none",
-                       help="comma-separated: none,ngram,draft (none is always measured as baseline)")
+                       help="comma-separated: none,ngram,draft,medusa (none is always measured as "
+                            "baseline)")
     else:
-        p.add_argument("--method", default="none", choices=["none", "ngram", "draft"],
+        p.add_argument("--method", default="none", choices=["none", "ngram", "draft", "medusa"],
                        help="speculation method (none = plain decoding)")
     p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--heads", default=None,
+                   help="Medusa heads directory for --method medusa (default: the heads shipped "
+                        "for the model)")
+    p.add_argument("--tree", default=None,
+                   help="Medusa candidate tree: a name (chain4, small, medium) or paths as JSON, "
+                        "e.g. '[[0],[1],[0,0]]'; default: a chain of --k heads")
 
 
 def _spec(args):
@@ -43,7 +50,11 @@ def _spec(args):
 
     if args.method == "none":
         return SpecConfig()
-    return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    tree = getattr(args, "tree", None)
+    if tree is not None and tree.lstrip().startswith("["):
+        tree = tuple(tuple(p) for p in json.loads(tree))
+    return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                      tree=tree)
 
 
 def _prompts(args) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""Static decoding choices: which proposer, how many drafts. Hashable, jit-static."""
+"""Static decoding choices: which proposer, how many drafts, which tree. Hashable, jit-static."""
 
 from __future__ import annotations
 
@@ -6,7 +6,40 @@ import dataclasses
 from typing import Literal
 
 MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
-METHODS = ("none", "ngram", "draft")
+MAX_TREE_NODES = 64
+METHODS = ("none", "ngram", "draft", "medusa")
+
+Tree = tuple[tuple[int, ...], ...]
+
+# Static candidate trees for Medusa heads, as paths of top-k ranks (Medusa's `medusa_choices`):
+# (0,) is head 0's top-1, (0, 1) is head 1's top-2 after head 0's top-1, and so on.
+TREES: dict[str, Tree] = {
+    "chain4": ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)),
+    "small": ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)),
+    "medium": ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+               (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1)),
+}
+
+
+def chain(k: int) -> Tree:
+    return tuple((0,) * i for i in range(1, k + 1))
+
+
+def validate_tree(tree: Tree) -> None:
+    if not tree:
+        raise ValueError("tree is empty: give at least one path, e.g. ((0,),)")
+    if len(tree) > MAX_TREE_NODES:
+        raise ValueError(f"tree has {len(tree)} nodes: at most {MAX_TREE_NODES} are supported")
+    seen = set()
+    for path in tree:
+        if not path or any(int(r) != r or r < 0 for r in path):
+            raise ValueError(f"tree path {path!r}: must be a non-empty tuple of ranks >= 0")
+        if path in seen:
+            raise ValueError(f"tree path {path!r} appears twice")
+        if len(path) > 1 and path[:-1] not in seen:
+            raise ValueError(f"tree path {path!r} comes before (or without) its parent {path[:-1]!r}; "
+                             "list parents first")
+        seen.add(path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -14,19 +47,44 @@ class SpecConfig:
     """How to speculate.
 
     Attributes:
-      method: "none" (plain loop), "ngram" (prompt lookup) or "draft" (a small draft model).
-      k: drafted tokens per step; the target verifies k + 1 positions in one forward.
+      method: "none" (plain loop), "ngram" (prompt lookup), "draft" (a small draft model) or
+        "medusa" (heads on the target's last hidden state; chain, or a static tree).
+      k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
+        For medusa chains, k <= the number of heads.
       ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
+      tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
+        first) or the name of one in `TREES`. None = a chain of k heads' top-1.
+      typical: medusa only, LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature
+        > 0 instead of the lossless rule. Output no longer follows the target distribution.
     """
 
-    method: Literal["none", "ngram", "draft"] = "none"
+    method: Literal["none", "ngram", "draft", "medusa"] = "none"
     k: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
+    tree: Tree | str | None = None
+    typical: tuple[float, float] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.tree is not None or self.typical is not None:
+            if self.method != "medusa":
+                raise ValueError("tree= and typical= apply to method 'medusa' only")
+        if isinstance(self.tree, str):
+            if self.tree not in TREES:
+                raise ValueError(f"unknown tree {self.tree!r}: use one of {', '.join(TREES)} "
+                                 "or a tuple of paths")
+            object.__setattr__(self, "tree", TREES[self.tree])
+        if self.tree is not None:
+            tree = tuple(tuple(int(r) for r in p) for p in self.tree)
+            validate_tree(tree)
+            object.__setattr__(self, "tree", tree)
+            object.__setattr__(self, "k", max(len(p) for p in tree))
+        if self.typical is not None:
+            eps, delta = self.typical
+            if not (0 < eps < 1 and 0 < delta < 1):
+                raise ValueError(f"typical={self.typical}: need 0 < epsilon < 1 and 0 < delta < 1")
         if self.method == "none":
             return
         if int(self.k) != self.k or not 1 <= self.k <= MAX_K:
@@ -37,6 +95,14 @@ class SpecConfig:
                 "1 <= ngram_min <= ngram_max")
 
     @property
+    def is_tree(self) -> bool:
+        return self.tree is not None
+
+    @property
     def window(self) -> int:
         """Tokens the target sees per step (and the cache headroom a step needs)."""
-        return 1 if self.method == "none" else self.k + 1
+        if self.method == "none":
+            return 1
+        if self.tree is not None:
+            return len(self.tree) + 1
+        return self.k + 1

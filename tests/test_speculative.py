@@ -333,7 +333,12 @@ def test_compile_once_per_bucket(eng):
     (dict(method="ngram", k=2.5), "k=2.5"),
     (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
     (dict(method="ngram", ngram_min=0), "ngram_min"),
-    (dict(method="medusa"), "unknown method"),
+    (dict(method="eagle"), "unknown method"),
+    (dict(method="ngram", tree="small"), "'medusa' only"),
+    (dict(method="medusa", tree="huge"), "unknown tree"),
+    (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
+    (dict(method="medusa", tree=((0,), (0,))), "twice"),
+    (dict(method="medusa", typical=(0.3, 2.0)), "typical"),
 ])
 def test_bad_spec_config(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,95 @@
+"""Medusa-style draft heads on the target's final hidden state (Cai et al. 2024).
+
+Head m (m = 0 .. M-1) reads the final-normed hidden state h_t that the base LM head reads at
+position t and predicts the token at t + m + 2 (the base LM head itself predicts t + 1). Each head
+is `L` residual SiLU blocks, `x <- x + silu(x W + b)`, then a vocabulary projection: the frozen
+base LM head by default (the heads stay a few MB), or an own projection initialised from a copy
+of it. W and b start at zero, so at init `silu(0) = 0` and every head predicts exactly what the
+base LM head predicts. The M heads' parameters are stacked, so all of them run as one einsum.
+
+Dimension letters: M heads, L blocks per head, E the block's output dim (= D); the rest as in
+`specjax.models.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from specjax.models.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadsConfig:
+    """Shape of a set of Medusa heads. Hashable (static under jit) and saved in manifests.
+
+    Attributes:
+      num_heads: M; head m predicts the token m + 2 positions ahead.
+      num_layers: residual SiLU blocks per head.
+      dim: the target's hidden size D.
+      vocab_size: the target's vocabulary V.
+      own_projection: give each head its own [D, V] projection instead of sharing the frozen
+        base LM head (M * D * V more parameters).
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    dim: int
+    vocab_size: int
+    own_projection: bool = False
+
+    def __post_init__(self):
+        for f in ("num_heads", "num_layers", "dim", "vocab_size"):
+            v = getattr(self, f)
+            if int(v) != v or v < 1:
+                raise ValueError(f"HeadsConfig.{f}={v}: must be an integer >= 1")
+
+    @classmethod
+    def for_model(cls, model_config, **kw) -> "HeadsConfig":
+        return cls(dim=model_config.dim, vocab_size=model_config.vocab_size, **kw)
+
+
+class MedusaHeads(nnx.Module):
+    """M stacked Medusa heads. Call with the base model to get logits `[..., M, V]`.
+
+    Example:
+      >>> heads = MedusaHeads(HeadsConfig.for_model(model.config), base=model, rngs=nnx.Rngs(0))
+      >>> logits = heads(out.hidden, model)  # [B, T, M, V]
+    """
+
+    def __init__(self, config: HeadsConfig, *, base: Llama | None = None, rngs: nnx.Rngs | None = None):
+        self.config = config
+        m, l, d = config.num_heads, config.num_layers, config.dim
+        self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32))
+        self.b = nnx.Param(jnp.zeros((m, l, d), jnp.float32))
+        if config.own_projection:
+            if base is None:
+                raise ValueError("own_projection heads are initialised from the base LM head: pass base=")
+            w_DV = base_head(base).astype(jnp.float32)
+            self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy())
+
+    def features(self, hidden: Float[Array, "... D"]) -> Float[Array, "... M D"]:
+        """The heads' residual blocks; what each head feeds to its vocabulary projection."""
+        x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (self.config.num_heads, hidden.shape[-1]))
+        w = self.w[...].astype(hidden.dtype)
+        b = self.b[...].astype(hidden.dtype)
+        for i in range(self.config.num_layers):
+            x = x + jax.nn.silu(jnp.einsum("...MD,MDE->...ME", x, w[:, i]) + b[:, i])
+        return x
+
+    def __call__(self, hidden: Float[Array, "... D"], base: Llama) -> Float[Array, "... M V"]:
+        f = self.features(hidden)
+        if self.config.own_projection:
+            return jnp.einsum("...MD,MDV->...MV", f, self.proj[...].astype(f.dtype))
+        return base.logits(f)
+
+
+def base_head(base: Llama) -> Float[Array, "D V"]:
+    """The base model's LM head as a [D, V] matrix (the tied embedding, transposed)."""
+    if base.config.tie_embeddings:
+        return base.embed[...].T
+    return base.lm_head[...]
