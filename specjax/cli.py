@@ -91,7 +91,8 @@ def cmd_generate(args) -> int:
     if spec.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
     prompts = _prompts(args)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    heads = (args.heads or "default") if spec.method == "medusa" else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
     texts = [p.text for p in prompts]
     b = min(args.batch_size, len(prompts))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles

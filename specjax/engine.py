@@ -21,7 +21,8 @@ from flax import nnx
 
 from specjax import decode, sampling, speculative
 from specjax.config import SpecConfig
-from specjax.proposers import DraftModelProposer, NgramProposer
+from specjax.config import chain
+from specjax.proposers import DraftModelProposer, MedusaProposer, NgramProposer
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.speculative import SpecState, SpecStats
 from specjax.state import DecodeState
@@ -117,7 +118,8 @@ class Engine:
     """
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 name: str = "custom", draft: nnx.Module | None = None, draft_tokenizer=None):
+                 name: str = "custom", draft: nnx.Module | None = None, draft_tokenizer=None,
+                 heads: nnx.Module | None = None, weights_id: str | None = None):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -127,22 +129,58 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         self._compiled: dict[tuple, object] = {}
         self.compile_count = 0
+        self.weights_id = weights_id
         self.draft = None
+        self.heads = None
+        self.heads_manifest: dict = {}
         if draft is not None:
             self.set_draft(draft, draft_tokenizer)
+        if heads is not None:
+            self.set_heads(heads)
 
     @classmethod
     def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32",
-             draft_model: str | None = None, **kw) -> "Engine":
-        """Loads a registry model (and optionally a draft model with the same vocabulary)."""
+             draft_model: str | None = None, heads: str | None = None, **kw) -> "Engine":
+        """Loads a registry model, optionally a draft model with the same vocabulary and Medusa heads.
+
+        Args:
+          heads: a heads directory written by `specjax train-heads`, or "default" for the heads
+            shipped with the model (`specjax.train_heads.checkpoint.shipped_heads_dir`).
+        """
         from specjax.models import loader
 
         lm = loader.load(name_or_path, dtype=dtype)
-        eng = cls(lm.model, lm.tokenizer, name=lm.config.name, **kw)
+        eng = cls(lm.model, lm.tokenizer, name=lm.config.name, weights_id=lm.weights_id, **kw)
         if draft_model is not None:
             d = loader.load(draft_model, dtype=dtype)
             eng.set_draft(d.model, d.tokenizer)
+        if heads is not None:
+            eng.load_heads(heads)
         return eng
+
+    def load_heads(self, path: str) -> None:
+        """Loads Medusa heads from a directory ("default": the ones shipped for this model)."""
+        from specjax.train_heads import checkpoint
+
+        if path == "default":
+            found = checkpoint.shipped_heads_dir(self.name)
+            if found is None:
+                raise ValueError(f"no Medusa heads are shipped for model {self.name!r}: train some with "
+                                 f"`specjax train-heads --model {self.name} --out DIR` and pass --heads DIR")
+            path = found
+        heads, manifest = checkpoint.load_heads(path, model_name=self.name, weights_id=self.weights_id)
+        self.set_heads(heads, manifest)
+
+    def set_heads(self, heads: nnx.Module, manifest: dict | None = None) -> None:
+        """Sets the Medusa heads of `method="medusa"` (`specjax.train_heads.heads.MedusaHeads`)."""
+        hc = heads.config
+        if hc.dim != self.config.dim or hc.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"Medusa heads are for dim {hc.dim} / vocab {hc.vocab_size}, the model has dim "
+                f"{self.config.dim} / vocab {self.config.vocab_size}: train heads for this model")
+        self.heads = nnx.split(heads)
+        self.heads_config = hc
+        self.heads_manifest = dict(manifest or {})
 
     def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
         """Sets the draft model of `method="draft"`; its vocabulary must be the target's."""
@@ -173,7 +211,27 @@ class Engine:
                                  "or --draft-model NAME")
             graphdef, params = self.draft
             return DraftModelProposer(k=spec.k, graphdef=graphdef), params
+        if spec.method == "medusa":
+            return self._medusa(spec)
         raise ValueError(f"method {spec.method!r} has no proposer")
+
+    def _medusa(self, spec: SpecConfig):
+        if self.heads is None:
+            raise ValueError("method 'medusa' needs Medusa heads: Engine.load(..., heads='default' or DIR) "
+                             "or --heads DIR")
+        graphdef, params = self.heads
+        m = self.heads_config.num_heads
+        if spec.k > m:
+            raise ValueError(f"medusa k={spec.k} (or tree depth) exceeds the {m} trained heads: use k <= {m}")
+        tree = spec.tree if spec.tree is not None else (chain(spec.k) if spec.typical else None)
+        if tree is not None:
+            ranks = 1 + max(p[-1] for p in tree)
+            if ranks > self.config.vocab_size:
+                raise ValueError(f"tree uses rank {ranks - 1}, beyond the vocabulary of {self.config.vocab_size}")
+        tied = self.config.tie_embeddings
+        weight = self.model.embed[...] if tied else self.model.lm_head[...]
+        proposer = MedusaProposer(k=spec.k, graphdef=graphdef, tied=tied, tree=tree, typical=spec.typical)
+        return proposer, (params, weight)
 
     # ---- input handling ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
 
-from specjax import acceptance
+from specjax import acceptance, tree
 from specjax.models.llama import Llama, Output
 from specjax.sampling import SamplingConfig
 from specjax.state import DecodeState, commit, last_tokens, step_keys
@@ -68,6 +68,8 @@ def verify(target: Llama, state: DecodeState, draft: Int[Array, "B K"]) -> Outpu
 
 def spec_step(target: Llama, proposer, pparams, sampling_config: SamplingConfig,
               s: SpecState) -> SpecState:
+    if getattr(proposer, "tree", None) is not None:
+        return tree_step(target, proposer, pparams, sampling_config, s)
     state = s.decode
     draft, q, pstate = proposer.propose(pparams, s.proposer, state, sampling_config,
                                         step_keys(state, salt=1))
@@ -81,6 +83,29 @@ def spec_step(target: Llama, proposer, pparams, sampling_config: SamplingConfig,
     new = new.at[jnp.arange(new.shape[0]), n].set(nxt)  # correction right after the kept prefix
     state, _ = commit(state, new, n + 1, window=proposer.k + 1)
     pstate = proposer.reconcile(pparams, pstate, state, out.hidden, n)
+    return SpecState(decode=state, proposer=pstate, stats=s.stats.update(active, n))
+
+
+def tree_step(target: Llama, proposer, pparams, sampling_config: SamplingConfig,
+              s: SpecState) -> SpecState:
+    """`spec_step` for a static candidate tree (see `specjax.tree`)."""
+    state = s.decode
+    topo = tree.topology(proposer.tree)
+    nodes, _, pstate = proposer.propose(pparams, s.proposer, state, sampling_config,
+                                        step_keys(state, salt=1))
+    out = tree.verify(target, state, nodes, topo)
+    n, leaf, path, nxt = tree.accept(sampling_config, step_keys(state, salt=2), nodes, out.logits,
+                                     state.sampling, topo, proposer.typical)
+    active = ~state.done
+    window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+    new = jnp.take_along_axis(window, path, axis=1)  # [B, D+1]: root, then the path's tokens
+    new = jnp.concatenate([new[:, 1:], nxt[:, None]], axis=1)
+    new = new.at[jnp.arange(new.shape[0]), n].set(nxt)
+    state = state.replace(cache=tree.compact(out.cache, state.lengths - 1, path),
+                          forwards=state.forwards + 1,
+                          row_forwards=state.row_forwards + active.astype(jnp.int32))
+    state, _ = commit(state, new, n + 1, window=window.shape[1])
+    pstate = proposer.reconcile(pparams, pstate, state, out.hidden, leaf)
     return SpecState(decode=state, proposer=pstate, stats=s.stats.update(active, n))
 
 

@@ -77,8 +77,10 @@ class MedusaHeads(nnx.Module):
         x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (self.config.num_heads, hidden.shape[-1]))
         w = self.w[...].astype(hidden.dtype)
         b = self.b[...].astype(hidden.dtype)
+        lead = (1,) * (x.ndim - 2)
         for i in range(self.config.num_layers):
-            x = x + jax.nn.silu(jnp.einsum("...MD,MDE->...ME", x, w[:, i]) + b[:, i])
+            y = jnp.einsum("...MD,MDE->...ME", x, w[:, i]) + b[:, i].reshape(lead + b.shape[::2])
+            x = x + jax.nn.silu(y)
         return x
 
     def __call__(self, hidden: Float[Array, "... D"], base: Llama) -> Float[Array, "... M V"]:
