@@ -133,6 +133,7 @@ class Engine:
         self.draft = None
         self.heads = None
         self.heads_manifest: dict = {}
+        self.heads_vocab = None
         if draft is not None:
             self.set_draft(draft, draft_tokenizer)
         if heads is not None:
@@ -171,16 +172,32 @@ class Engine:
         heads, manifest = checkpoint.load_heads(path, model_name=self.name, weights_id=self.weights_id)
         self.set_heads(heads, manifest)
 
-    def set_heads(self, heads: nnx.Module, manifest: dict | None = None) -> None:
-        """Sets the Medusa heads of `method="medusa"` (`specjax.train_heads.heads.MedusaHeads`)."""
+    def set_heads(self, heads: nnx.Module, manifest: dict | None = None,
+                  vocab_subset: Sequence[int] | np.ndarray | None = None) -> None:
+        """Sets the Medusa heads of `method="medusa"` (`specjax.train_heads.heads.MedusaHeads`).
+
+        Args:
+          heads: the heads.
+          manifest: their manifest (what they were trained for), kept for telemetry.
+          vocab_subset: token ids the shared-LM-head heads may propose (the frequent tokens);
+            None = the whole vocabulary. See `MedusaProposer`.
+        """
         hc = heads.config
         if hc.dim != self.config.dim or hc.vocab_size != self.config.vocab_size:
             raise ValueError(
                 f"Medusa heads are for dim {hc.dim} / vocab {hc.vocab_size}, the model has dim "
                 f"{self.config.dim} / vocab {self.config.vocab_size}: train heads for this model")
+        ids = None
+        if vocab_subset is not None:
+            ids = np.asarray(vocab_subset, np.int64)
+            if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size:
+                raise ValueError(f"vocab_subset must be a non-empty list of token ids in "
+                                 f"[0, {self.config.vocab_size})")
+            ids = jnp.asarray(ids, jnp.int32)
         self.heads = nnx.split(heads)
         self.heads_config = hc
         self.heads_manifest = dict(manifest or {})
+        self.heads_vocab = ids
 
     def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
         """Sets the draft model of `method="draft"`; its vocabulary must be the target's."""
@@ -229,9 +246,13 @@ class Engine:
             if ranks > self.config.vocab_size:
                 raise ValueError(f"tree uses rank {ranks - 1}, beyond the vocabulary of {self.config.vocab_size}")
         tied = self.config.tie_embeddings
-        weight = self.model.embed[...] if tied else self.model.lm_head[...]
+        weight, ids = self.model.embed[...] if tied else self.model.lm_head[...], self.heads_vocab
+        if ids is not None and not self.heads_config.own_projection:
+            weight = weight[ids] if tied else weight[:, ids]
+        else:
+            ids = None
         proposer = MedusaProposer(k=spec.k, graphdef=graphdef, tied=tied, tree=tree, typical=spec.typical)
-        return proposer, (params, weight)
+        return proposer, (params, weight, ids)
 
     # ---- input handling ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:

@@ -216,3 +216,25 @@ def test_bad_medusa_input(tiny_model, eng):
         eng.generate([[1, 2]], spec=SpecConfig(method="medusa", tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0),
                                                                       (0, 0, 0, 0, 0))))
     assert eng.compile_count == before
+
+
+def test_vocab_subset_heads_propose_only_subset_tokens(tiny_model, ref):
+    e = Engine(tiny_model)
+    subset = np.arange(0, tiny_model.config.vocab_size, 3)
+    e.set_heads(random_heads(tiny_model, seed=4), vocab_subset=subset)
+    spec = SpecConfig(method="medusa", tree="small")
+    res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
+    assert [r.tokens for r in res] == [t[:M] for t in ref]
+    batch = e.start(PROMPTS, e_opts(), spec=spec)
+    st = batch.prefill()
+    prop, params = e.proposer(spec)
+    nodes, _, _ = prop.propose(params, st.proposer, st.decode, None, None)
+    assert np.isin(np.asarray(nodes), subset).all()
+    with pytest.raises(ValueError, match="vocab_subset"):
+        e.set_heads(random_heads(tiny_model), vocab_subset=[tiny_model.config.vocab_size])
+
+
+def e_opts():
+    from specjax.engine import GenerateOptions
+
+    return GenerateOptions(max_new_tokens=M)

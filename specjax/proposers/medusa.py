@@ -26,7 +26,14 @@ from specjax.state import DecodeState
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MedusaProposer:
-    """Static side of the Medusa proposer; `params` = (heads params, base LM head weight).
+    """Static side of the Medusa proposer.
+
+    `params` = (heads params, LM head weight, token ids): the weight is the base LM head
+    (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset of frequent tokens
+    (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for the full
+    vocabulary). Projecting onto the few thousand tokens that make up nearly all generated text
+    cuts the heads' cost several-fold; a draft outside the subset is simply never proposed,
+    which verification tolerates (drafts may be anything, acceptance stays exact).
 
     Attributes:
       k: chain length, or the tree's depth; at most the number of heads.
@@ -47,7 +54,7 @@ class MedusaProposer:
 
     def head_logits(self, params, hidden: Float[Array, "B D"]) -> Float[Array, "B M V"]:
         """Logits of the first k heads at each row's hidden state."""
-        heads_params, w = params
+        heads_params, w, _ = params
         heads = nnx.merge(self.graphdef, heads_params)
         f = heads.features(hidden)[:, : self.k]  # project only the heads this proposer uses
         if heads.config.own_projection:
@@ -57,17 +64,15 @@ class MedusaProposer:
 
     def propose(self, params, hidden, state: DecodeState, sampling_config, keys):
         logits = self.head_logits(params, hidden)
-        if self.tree is None:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, hidden
-        return self.tree_tokens(logits), None, hidden
-
-    def tree_tokens(self, logits: Float[Array, "B M V"]) -> Int[Array, "B N"]:
-        """Node tokens of the static tree from each head's top-r candidates."""
-        ranks = 1 + max(p[-1] for p in self.tree)
+        ranks = 1 if self.tree is None else 1 + max(p[-1] for p in self.tree)
         _, top = jax.lax.top_k(logits, ranks)  # [B, M, R]
+        if params[2] is not None:
+            top = params[2][top]  # subset index -> token id
+        if self.tree is None:
+            return top[..., 0].astype(jnp.int32), None, hidden
         head = jnp.asarray([len(p) - 1 for p in self.tree])
         rank = jnp.asarray([p[-1] for p in self.tree])
-        return top[:, head, rank].astype(jnp.int32)
+        return top[:, head, rank].astype(jnp.int32), None, hidden
 
     def reconcile(self, params, hidden, state, verify_hidden: Float[Array, "B W D"],
                   last: Int[Array, "B"]):
