@@ -21,6 +21,9 @@ TREES: dict[str, Tree] = {
 }
 
 
+HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
+
+
 def chain(k: int) -> Tree:
     return tuple((0,) * i for i in range(1, k + 1))
 
@@ -53,7 +56,8 @@ class SpecConfig:
         For medusa chains, k <= the number of heads.
       ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
       tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
-        first) or the name of one in `TREES`. None = a chain of k heads' top-1.
+        first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
+        (resolved by the Engine). None = a chain of k heads' top-1.
       typical: medusa only, LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature
         > 0 instead of the lossless rule. Output no longer follows the target distribution.
     """
@@ -71,12 +75,14 @@ class SpecConfig:
         if self.tree is not None or self.typical is not None:
             if self.method != "medusa":
                 raise ValueError("tree= and typical= apply to method 'medusa' only")
-        if isinstance(self.tree, str):
+        if self.tree == HEADS_TREE:
+            pass  # the tree tuned for the loaded heads; `Engine.resolve` fills it in
+        elif isinstance(self.tree, str):
             if self.tree not in TREES:
                 raise ValueError(f"unknown tree {self.tree!r}: use one of {', '.join(TREES)} "
                                  "or a tuple of paths")
             object.__setattr__(self, "tree", TREES[self.tree])
-        if self.tree is not None:
+        if self.tree is not None and self.tree != HEADS_TREE:
             tree = tuple(tuple(int(r) for r in p) for p in self.tree)
             validate_tree(tree)
             object.__setattr__(self, "tree", tree)
@@ -103,6 +109,9 @@ class SpecConfig:
         """Tokens the target sees per step (and the cache headroom a step needs)."""
         if self.method == "none":
             return 1
+        if self.tree == HEADS_TREE:
+            raise ValueError('tree="heads" is resolved by the Engine that holds the heads '
+                             "(Engine.resolve(spec))")
         if self.tree is not None:
             return len(self.tree) + 1
         return self.k + 1

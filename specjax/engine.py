@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 import time
 from typing import Iterator, Sequence
 
@@ -21,7 +23,7 @@ from flax import nnx
 
 from specjax import decode, sampling, speculative
 from specjax.config import SpecConfig
-from specjax.config import chain
+from specjax.config import HEADS_TREE, chain
 from specjax.proposers import DraftModelProposer, MedusaProposer, NgramProposer
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.speculative import SpecState, SpecStats
@@ -134,6 +136,7 @@ class Engine:
         self.heads = None
         self.heads_manifest: dict = {}
         self.heads_vocab = None
+        self.heads_tree = None
         if draft is not None:
             self.set_draft(draft, draft_tokenizer)
         if heads is not None:
@@ -170,10 +173,16 @@ class Engine:
                                  f"`specjax train-heads --model {self.name} --out DIR` and pass --heads DIR")
             path = found
         heads, manifest = checkpoint.load_heads(path, model_name=self.name, weights_id=self.weights_id)
-        self.set_heads(heads, manifest)
+        extra = {}
+        for name in ("vocab", "tree"):  # optional, written by `specjax.train_heads.tune`
+            f = pathlib.Path(path) / f"{name}.json"
+            if f.is_file():
+                extra[name] = json.loads(f.read_text())
+        self.set_heads(heads, manifest, vocab_subset=extra.get("vocab"), tree=extra.get("tree"))
 
     def set_heads(self, heads: nnx.Module, manifest: dict | None = None,
-                  vocab_subset: Sequence[int] | np.ndarray | None = None) -> None:
+                  vocab_subset: Sequence[int] | np.ndarray | None = None,
+                  tree: Sequence[Sequence[int]] | None = None) -> None:
         """Sets the Medusa heads of `method="medusa"` (`specjax.train_heads.heads.MedusaHeads`).
 
         Args:
@@ -181,6 +190,7 @@ class Engine:
           manifest: their manifest (what they were trained for), kept for telemetry.
           vocab_subset: token ids the shared-LM-head heads may propose (the frequent tokens);
             None = the whole vocabulary. See `MedusaProposer`.
+          tree: the candidate tree tuned for these heads (`SpecConfig(tree="heads")`).
         """
         hc = heads.config
         if hc.dim != self.config.dim or hc.vocab_size != self.config.vocab_size:
@@ -198,6 +208,20 @@ class Engine:
         self.heads_config = hc
         self.heads_manifest = dict(manifest or {})
         self.heads_vocab = ids
+        self.heads_tree = None
+        if tree is not None:
+            self.heads_tree = SpecConfig(method="medusa", tree=tuple(tuple(p) for p in tree)).tree
+            if max(len(p) for p in self.heads_tree) > hc.num_heads:
+                raise ValueError(f"the heads' tree is deeper than their {hc.num_heads} heads")
+
+    def resolve(self, spec: SpecConfig) -> SpecConfig:
+        """`spec` with `tree="heads"` replaced by the tree tuned for the loaded heads."""
+        if spec.tree != HEADS_TREE:
+            return spec
+        if self.heads is None or self.heads_tree is None:
+            raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
+                             "name a tree (chain4, small, medium) or give --k")
+        return dataclasses.replace(spec, tree=self.heads_tree)
 
     def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
         """Sets the draft model of `method="draft"`; its vocabulary must be the target's."""
@@ -220,6 +244,7 @@ class Engine:
 
     def proposer(self, spec: SpecConfig):
         """The static proposer and its traced parameters for `spec`."""
+        spec = self.resolve(spec)
         if spec.method == "ngram":
             return NgramProposer(k=spec.k, min_n=spec.ngram_min, max_n=spec.ngram_max), None
         if spec.method == "draft":
@@ -312,6 +337,7 @@ class Engine:
         Every check runs before anything is compiled, so bad input fails fast.
         """
         ids = self.check(prompts, opts, chat=chat)
+        spec = self.resolve(spec)
         window = spec.window
         proposer = self.proposer(spec) if spec.method != "none" else None
         b = batch_size or len(ids)
@@ -354,6 +380,9 @@ class Engine:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
         self.check(prompts, opts, chat=chat)  # every prompt is validated before anything compiles
+        spec = self.resolve(spec)
+        if spec.method != "none":
+            self.proposer(spec)  # and the speculation method (heads present, k in range, ...)
         results: list[Result] = []
         for i in range(0, len(prompts), b):
             results.extend(self.start(prompts[i:i + b], opts, chat=chat, batch_size=b, spec=spec).run())

@@ -238,3 +238,15 @@ def e_opts():
     from specjax.engine import GenerateOptions
 
     return GenerateOptions(max_new_tokens=M)
+
+
+def test_heads_carry_their_tuned_tree(tiny_model, ref):
+    e = Engine(tiny_model, heads=random_heads(tiny_model))
+    with pytest.raises(ValueError, match="carry a tuned tree"):
+        e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
+    tree = [[0], [1], [0, 0], [0, 0, 0]]
+    e.set_heads(random_heads(tiny_model), tree=tree)
+    assert e.resolve(SpecConfig(method="medusa", tree="heads")).window == 5
+    res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
+    assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert res[0].extra["k"] == 3
