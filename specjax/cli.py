@@ -1,4 +1,4 @@
-"""`specjax` command line: generate, bench."""
+"""`specjax` command line: generate, bench, train-heads."""
 
 from __future__ import annotations
 
@@ -123,6 +123,35 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def cmd_train_heads(args) -> int:
+    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
+    import pathlib
+
+    from specjax.train_heads.heads import HeadsConfig
+    from specjax.train_heads.train import TrainConfig, train_heads
+
+    # Everything is checked before the model loads or any data is generated.
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                         weight_decay=args.weight_decay, head_decay=args.head_decay,
+                         eval_every=args.eval_every, save_every=args.save_every, keep=args.keep,
+                         seed=args.seed)
+    heads = dict(num_heads=args.num_heads, num_layers=args.num_layers, own_projection=args.own_projection)
+    HeadsConfig(dim=1, vocab_size=1, **heads)
+    if not 0 < args.eval_conversations < args.conversations:
+        raise ValueError(f"--eval-conversations={args.eval_conversations}: must be >= 1 and less than "
+                         f"--conversations={args.conversations}")
+    if args.max_new_tokens < 2 or args.max_prompt_tokens < 1 or args.gen_batch_size < 1:
+        raise ValueError("--max-new-tokens must be >= 2, --max-prompt-tokens and --gen-batch-size >= 1")
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    train_heads(args.model, out, heads=heads, config=config, conversations=args.conversations,
+                eval_conversations=args.eval_conversations, max_new_tokens=args.max_new_tokens,
+                max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
+                log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +180,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chat", action="store_true")
     b.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
     b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
+    t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
+    t.add_argument("--out", required=True, help="run directory: heads (for --heads), checkpoints, metrics")
+    t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=256, help="token positions per step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--head-decay", type=float, default=0.8, help="loss weight w**m of head m")
+    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--keep", type=int, default=3, help="training checkpoints kept")
+    t.add_argument("--conversations", type=int, default=1024, help="ShareGPT prompts to distill")
+    t.add_argument("--eval-conversations", type=int, default=64, help="of those, held out")
+    t.add_argument("--max-new-tokens", type=int, default=128, help="response length (greedy)")
+    t.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
+    t.add_argument("--gen-batch-size", type=int, default=16)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train_heads)
     return parser
 
 

@@ -1,0 +1,338 @@
+"""Training Medusa heads on cached hidden states: one jitted, data-parallel step; resumable.
+
+Loss (Medusa-1/2): `sum_m w**m * CE_m`, CE_m the mean cross-entropy of head m over the rows where its
+label exists (response positions only; `TokenData.labels` marks the rest -1). AdamW with linear
+warmup and cosine decay. The batch is sharded over a 1-D mesh of all devices (`"data"` axis), the
+parameters and optimiser state replicated; XLA inserts the gradient all-reduce.
+
+Resuming is exact: the rows of step s are a pure function of (seed, s) (one seeded permutation per
+epoch), and a checkpoint carries the parameters and the full optimiser state (its step count drives
+the schedule), so a run killed after its last checkpoint and restarted continues as the
+uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from specjax.train_heads import checkpoint
+from specjax.train_heads.data import TokenData
+from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation and bookkeeping of a heads training run.
+
+    Attributes:
+      steps: optimiser steps in the whole run (the cosine schedule spans them).
+      batch_size: rows (token positions) per step, over all devices; a multiple of the device count.
+      lr: peak learning rate, reached after `warmup` steps, then cosine-decayed to `lr * final_lr`.
+      warmup: linear warmup steps.
+      final_lr: the schedule's end value as a fraction of `lr`.
+      weight_decay: AdamW decoupled weight decay.
+      head_decay: w in the loss weight w**m of head m.
+      clip: global gradient-norm clip.
+      eval_every: evaluate on the held-out rows every this many steps (and at the end).
+      save_every: checkpoint every this many steps (and at the end).
+      keep: checkpoints kept (the newest ones).
+      log_every: write a training metrics line every this many steps.
+      seed: seeds the data order.
+    """
+
+    steps: int = 1000
+    batch_size: int = 256
+    lr: float = 1e-3
+    warmup: int = 50
+    final_lr: float = 0.05
+    weight_decay: float = 0.0
+    head_decay: float = 0.8
+    clip: float = 1.0
+    eval_every: int = 200
+    save_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "eval_every", "save_every", "keep", "log_every"):
+            v = getattr(self, f)
+            if int(v) != v or v < 1:
+                raise ValueError(f"{f}={v}: must be an integer >= 1")
+        if int(self.warmup) != self.warmup or not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup={self.warmup}: must be an integer in [0, steps={self.steps})")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr}: must be a positive number")
+        if not 0 <= self.final_lr <= 1:
+            raise ValueError(f"final_lr={self.final_lr}: must be in [0, 1]")
+        if not 0 < self.head_decay <= 1:
+            raise ValueError(f"head_decay={self.head_decay}: must be in (0, 1]")
+        if self.weight_decay < 0 or self.clip <= 0:
+            raise ValueError("weight_decay must be >= 0 and clip > 0")
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, config.warmup, config.steps, end_value=config.lr * config.final_lr)
+    return optax.chain(optax.clip_by_global_norm(config.clip),
+                       optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def head_metrics(logits: Float[Array, "B M V"], labels: Int[Array, "B M"], *, topk: int = 1):
+    """Per-head sums over valid rows: (nll, top-1 hits, top-k hits, count), each [M].
+
+    Top-k by rank (how many logits beat the label's), which is a compare and a sum; `lax.top_k`
+    over the vocabulary costs more than the projection on CPU.
+    """
+    mask = labels >= 0
+    safe = jnp.maximum(labels, 0)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    top1 = jnp.argmax(logits, axis=-1) == safe
+    label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)
+    topk_hit = jnp.sum(logits > label_logit, axis=-1) < topk
+    f = lambda x: jnp.sum(jnp.where(mask, x, 0), axis=0).astype(jnp.float32)
+    return f(nll), f(top1), f(topk_hit), f(jnp.ones_like(nll))
+
+
+def loss_fn(params, graphdef, base, hidden, labels, head_decay: float):
+    heads = nnx.merge(graphdef, params)
+    logits = heads(hidden.astype(jnp.float32), base)
+    nll, top1, _, count = head_metrics(logits, labels)
+    ce = nll / jnp.maximum(count, 1.0)
+    weights = head_decay ** jnp.arange(ce.shape[0], dtype=jnp.float32)
+    return jnp.sum(weights * ce), (ce, top1 / jnp.maximum(count, 1.0))
+
+
+def make_train_step(graphdef, base_graphdef, tx: optax.GradientTransformation, config: TrainConfig):
+    """The jitted step `(params, opt_state, base_params, hidden, labels) -> (params, opt_state, metrics)`."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, base_params, hidden, labels):
+        base = nnx.merge(base_graphdef, base_params)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (ce, acc)), grads = grad_fn(params, graphdef, base, hidden, labels, config.head_decay)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, dict(loss=loss, ce=ce, acc=acc)
+
+    return step
+
+
+def make_eval_step(graphdef, base_graphdef):
+    @jax.jit
+    def step(params, base_params, hidden, labels, next_tokens):
+        base = nnx.merge(base_graphdef, base_params)
+        hidden = hidden.astype(jnp.float32)
+        sums = head_metrics(nnx.merge(graphdef, params)(hidden, base), labels, topk=5)
+        base_hit = jnp.sum(jnp.argmax(base.logits(hidden), axis=-1) == next_tokens)
+        return sums, base_hit
+
+    return step
+
+
+def batch_rows(rows: np.ndarray, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """The rows of `step`: slice `step % E` of epoch `step // E`'s permutation (E batches an epoch)."""
+    per_epoch = len(rows) // batch_size
+    epoch, k = divmod(step, per_epoch)
+    perm = _permutation(len(rows), seed, epoch)
+    return rows[perm[k * batch_size:(k + 1) * batch_size]]
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class Trainer:
+    """Trains heads against a frozen base model on `TokenData`; writes checkpoints and metrics to `out`."""
+
+    def __init__(self, heads_config: HeadsConfig, base: nnx.Module, train_data: TokenData,
+                 eval_data: TokenData | None, out: str | pathlib.Path, config: TrainConfig, *, run_info=None):
+        if train_data.hidden.shape[-1] != heads_config.dim:
+            raise ValueError(f"data hidden size {train_data.hidden.shape[-1]} != heads dim {heads_config.dim}")
+        self.hc, self.config, self.out = heads_config, config, pathlib.Path(out)
+        self.devices = jax.devices()
+        if config.batch_size % len(self.devices):
+            raise ValueError(f"batch_size={config.batch_size} must be a multiple of the "
+                             f"{len(self.devices)} devices")
+        self.mesh = Mesh(np.array(self.devices), ("data",))
+        self.rows_sharding = NamedSharding(self.mesh, P("data"))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.data, self.eval_data = train_data, eval_data
+        self.labels = train_data.labels(heads_config.num_heads)
+        self.rows = np.flatnonzero(self.labels[:, 0] >= 0)  # rows where at least head 0 has a label
+        if len(self.rows) < config.batch_size:
+            raise ValueError(f"{len(self.rows)} training rows < batch_size={config.batch_size}: more data "
+                             "or a smaller batch")
+        heads = MedusaHeads(heads_config, base=base, rngs=nnx.Rngs(config.seed))
+        self.graphdef = nnx.graphdef(heads)
+        self.base_graphdef, base_params = nnx.split(base)
+        self.base_params = jax.device_put(base_params, self.replicated)
+        self.tx = optimizer(config)
+        self.params = jax.device_put(checkpoint.params_of(heads), self.replicated)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+        self.step = 0
+        self.train_step = make_train_step(self.graphdef, self.base_graphdef, self.tx, config)
+        self.eval_step = make_eval_step(self.graphdef, self.base_graphdef)
+        self.run = dict(heads=dataclasses.asdict(heads_config), train=dataclasses.asdict(config),
+                        rows=int(train_data.num_rows), **(run_info or {}))
+        self.ckpts = checkpoint.TrainCheckpoints(self.out / "checkpoints", keep=config.keep)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.elapsed = 0.0
+
+    @property
+    def heads(self) -> MedusaHeads:
+        return checkpoint.heads_from_params(self.hc, jax.device_get(self.params))
+
+    def resume(self) -> int:
+        """Restores the newest readable checkpoint, if any; returns the step to continue from."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+                                dict(params=self.params, opt_state=self.opt_state))
+        found = self.ckpts.restore(abstract, self.run)
+        if found is not None:
+            self.step, state, meta = found
+            self.params, self.opt_state = state["params"], state["opt_state"]
+            self.elapsed = float(meta.get("elapsed_s", 0.0))
+        self._trim_metrics()
+        return self.step
+
+    def _trim_metrics(self) -> None:
+        # Lines past the restored step were written by the killed run; the resumed one rewrites them.
+        if self.metrics_path.is_file():
+            lines = [l for l in self.metrics_path.read_text().splitlines()
+                     if l.strip() and json.loads(l)["step"] <= self.step]
+            self.metrics_path.write_text("".join(l + "\n" for l in lines))
+
+    def _log(self, record: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def save(self) -> None:
+        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state),
+                        dict(run=self.run, step=self.step, elapsed_s=self.elapsed))
+
+    def fit(self, *, stop_at: int | None = None, progress: bool = True) -> dict:
+        """Runs from the current step to `config.steps` (or `stop_at`, as if killed there).
+
+        Returns the last evaluation's metrics (empty without eval data).
+        """
+        from tqdm import tqdm
+
+        c = self.config
+        end = min(c.steps, stop_at) if stop_at is not None else c.steps
+        last_eval: dict = {}
+        bar = tqdm(total=c.steps, initial=self.step, disable=not progress, desc="train heads", unit="step")
+        while self.step < end:
+            t0 = time.perf_counter()
+            idx = batch_rows(self.rows, c.batch_size, c.seed, self.step)
+            hidden = jax.device_put(self.data.hidden[idx], self.rows_sharding)
+            labels = jax.device_put(self.labels[idx], self.rows_sharding)
+            self.params, self.opt_state, m = self.train_step(
+                self.params, self.opt_state, self.base_params, hidden, labels)
+            self.step += 1
+            if self.step % c.log_every == 0 or self.step == end:
+                m = jax.device_get(m)
+                self._log(dict(step=self.step, loss=float(m["loss"]), ce=m["ce"].round(4).tolist(),
+                               acc=m["acc"].round(4).tolist()))
+                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc0=f"{float(m['acc'][0]):.3f}")
+            self.elapsed += time.perf_counter() - t0
+            bar.update(1)
+            if self.eval_data is not None and (self.step % c.eval_every == 0 or self.step == c.steps):
+                last_eval = self.evaluate()
+                self._log(dict(step=self.step, eval=last_eval))
+            if self.step % c.save_every == 0 or self.step == c.steps:
+                self.save()
+        bar.close()
+        return last_eval
+
+    def evaluate(self, data: TokenData | None = None, *, batch_size: int = 512) -> dict:
+        """Per-head top-1 / top-5 accuracy and cross-entropy on held-out rows (and the base's top-1)."""
+        data = data if data is not None else self.eval_data
+        labels = data.labels(self.hc.num_heads)
+        batch_size = -(-batch_size // len(self.devices)) * len(self.devices)
+        totals, base_hits = None, 0
+        for lo in range(0, data.num_rows, batch_size):
+            sl = slice(lo, lo + batch_size)
+            n = len(labels[sl])
+            pad = lambda x, fill: np.concatenate([x, np.full((batch_size - n,) + x.shape[1:], fill, x.dtype)])
+            sums, hit = self.eval_step(
+                self.params, self.base_params, jax.device_put(pad(data.hidden[sl], 0), self.rows_sharding),
+                jax.device_put(pad(labels[sl], -1), self.rows_sharding),
+                jax.device_put(pad(data.tokens[sl], -1), self.rows_sharding))
+            sums = [np.asarray(s, np.float64) for s in sums]
+            totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
+            base_hits += int(hit)
+        nll, top1, top5, count = totals
+        count = np.maximum(count, 1)
+        r = lambda x: [round(float(v), 4) for v in x]
+        return dict(top1=r(top1 / count), top5=r(top5 / count), ce=r(nll / count), rows=int(data.num_rows),
+                    base_top1=round(base_hits / max(data.num_rows, 1), 4))
+
+
+def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dict | None = None,
+                config: TrainConfig = TrainConfig(), conversations: int = 1024, eval_conversations: int = 64,
+                max_new_tokens: int = 128, max_prompt_tokens: int = 256, gen_batch_size: int = 16,
+                progress: bool = True, log=print) -> dict:
+    """The whole recipe: self-distilled ShareGPT data (cached), training (resumable), heads in `out`.
+
+    Args:
+      model: registry name or path of the target.
+      out: run directory; gets `manifest.json` + `params-*/` (the heads, for `--heads out`),
+        `checkpoints/` and `metrics.jsonl`.
+      heads: `HeadsConfig` or its fields other than dim / vocab_size (default: 4 heads, 1 block).
+      config: optimisation settings.
+      conversations: ShareGPT prompts to distill; the last `eval_conversations` are held out.
+      max_new_tokens, max_prompt_tokens, gen_batch_size: generation of the responses.
+
+    Returns:
+      The manifest saved with the heads (its `metrics` hold the held-out accuracies).
+    """
+    from specjax.engine import Engine
+    from specjax.train_heads import data
+
+    if not 0 < eval_conversations < conversations:
+        raise ValueError(f"eval_conversations={eval_conversations}: must be in [1, conversations={conversations})")
+    engine = Engine.load(model)
+    if not isinstance(heads, HeadsConfig):
+        heads = HeadsConfig.for_model(engine.config, **(heads or {}))
+    data_dir = data.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
+                                max_prompt_tokens=max_prompt_tokens)
+    log(f"self-distilled data: {data_dir}")
+    data.build(engine, data_dir, conversations=conversations, max_new_tokens=max_new_tokens,
+               batch_size=gen_batch_size, max_prompt_tokens=max_prompt_tokens, log=log)
+    rows, index = data.load(data_dir)
+    split = conversations - eval_conversations
+    train_data, eval_data = rows.conversations(0, split), rows.conversations(split, conversations)
+    run_info = dict(model=engine.name, weights_id=engine.weights_id, data=index["source_sha256"],
+                    conversations=conversations, eval_conversations=eval_conversations)
+    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info)
+    if trainer.resume():
+        log(f"resumed from step {trainer.step}")
+    metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()
+    trainer.ckpts.close()
+    manifest = dict(
+        model=engine.name, weights_id=engine.weights_id, num_heads=heads.num_heads,
+        data=dict(source=index["source"], conversations=split, eval_conversations=eval_conversations,
+                  train_tokens=int(train_data.num_rows), eval_tokens=int(eval_data.num_rows),
+                  prompt_tokens=index["prompt_tokens"], max_new_tokens=max_new_tokens,
+                  max_prompt_tokens=max_prompt_tokens, responses="target, greedy, chat template"),
+        train=dataclasses.asdict(config), steps=trainer.step, train_time_s=round(trainer.elapsed, 1),
+        devices=len(trainer.devices), metrics=metrics)
+    checkpoint.save_heads(out, trainer.heads, manifest)
+    log(f"heads saved to {out}: held-out top-1 {metrics.get('top1')}, top-5 {metrics.get('top5')}")
+    return manifest
