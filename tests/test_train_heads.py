@@ -106,6 +106,7 @@ def test_killed_run_resumes_exactly(tiny_model, cycle, tmp_path):
 def test_resume_refuses_other_settings(tiny_model, cycle, tmp_path):
     config = TrainConfig(steps=4, batch_size=16, warmup=1, save_every=2)
     _run(tiny_model, cycle[0], tmp_path, config)
+    assert _run(tiny_model, cycle[0], tmp_path, dataclasses.replace(config, save_every=1, keep=2)).step == 4
     with pytest.raises(ValueError, match="another run"):
         _run(tiny_model, cycle[0], tmp_path, dataclasses.replace(config, lr=0.5))
 

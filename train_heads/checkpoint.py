@@ -160,11 +160,22 @@ def _check_target(path, manifest: dict, model_name: str | None, weights_id: str 
                          f"the loaded model is {ours}. {fix}")
 
 
+# Bookkeeping settings that may change between a run and its resumption.
+_BOOKKEEPING = ("eval_every", "save_every", "keep", "log_every")
+
+
+def _identity(run: dict | None) -> dict | None:
+    if not isinstance(run, dict) or not isinstance(run.get("train"), dict):
+        return run
+    return dict(run, train={k: v for k, v in run["train"].items() if k not in _BOOKKEEPING})
+
+
 class TrainCheckpoints:
     """Periodic, atomic, keep-last-N checkpoints of a training run (orbax `CheckpointManager`).
 
     Each checkpoint holds the parameters, the optimiser state and a JSON `meta` dict; `restore`
-    refuses a directory whose `meta["run"]` differs from the current run's (other data or settings).
+    refuses a directory whose `meta["run"]` differs from the current run's (other data or settings;
+    how often it evaluates, saves or logs may change).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int):
@@ -195,7 +206,7 @@ class TrainCheckpoints:
                               f"({type(e).__name__}); set aside as {step}.corrupt, trying the previous one")
                 self._set_aside(step)
                 continue
-            if out.meta.get("run") != run:
+            if _identity(out.meta.get("run")) != _identity(run):
                 raise ValueError(
                     f"{self.directory} holds checkpoints of another run (settings {out.meta.get('run')}, "
                     f"this run {run}); use another --out directory or the same settings")

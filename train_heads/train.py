@@ -84,12 +84,16 @@ class TrainConfig:
             raise ValueError("weight_decay must be >= 0 and clip > 0")
 
 
-def optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr`, then cosine decay to `lr * final_lr` at `steps`."""
+    return optax.warmup_cosine_decay_schedule(
         0.0, config.lr, config.warmup, config.steps, end_value=config.lr * config.final_lr)
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on the schedule, after global-norm clipping."""
     return optax.chain(optax.clip_by_global_norm(config.clip),
-                       optax.adamw(schedule, weight_decay=config.weight_decay))
+                       optax.adamw(schedule(config), weight_decay=config.weight_decay))
 
 
 def head_metrics(logits: Float[Array, "B M V"], labels: Int[Array, "B M"], *, topk: int = 1):
@@ -247,8 +251,8 @@ class Trainer:
             self.step += 1
             if self.step % c.log_every == 0 or self.step == end:
                 m = jax.device_get(m)
-                self._log(dict(step=self.step, loss=float(m["loss"]), ce=m["ce"].round(4).tolist(),
-                               acc=m["acc"].round(4).tolist()))
+                self._log(dict(step=self.step, loss=round(float(m["loss"]), 5), ce=m["ce"].round(4).tolist(),
+                               acc=m["acc"].round(4).tolist(), lr=float(schedule(c)(self.step - 1))))
                 bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc0=f"{float(m['acc'][0]):.3f}")
             self.elapsed += time.perf_counter() - t0
             bar.update(1)
