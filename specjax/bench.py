@@ -1,5 +1,8 @@
 """`specjax bench`: our loop against HF transformers and the memory roofline, in one run.
 
+(With prompts, methods or concurrency levels, `specjax bench` runs the load test of
+`specjax.loadbench` instead.)
+
 Runs are interleaved (ours, HF, ours, HF, ...) and medians reported, because timings on small
 shared machines drift 20-40% between runs. The roofline is weight bytes over a bandwidth
 measured here, with the same kind of program a decode step is (a jitted matrix-vector product
@@ -100,93 +103,31 @@ def _hf_generate(model, ids: list[int], max_new: int) -> tuple[list[int], float]
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def _run_methods(engine, ids, tasks, methods, opts, args) -> list[dict]:
-    """Runs every (repeat, prompt, method) at batch 1, methods interleaved per prompt."""
-    from specjax.config import SpecConfig
-
-    from tqdm import tqdm
-
-    specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-             if m != "none" else SpecConfig() for m in methods}
-    rows = []
-    total = args.repeats * len(ids) * len(methods)
-    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, leave=False) as bar:
-        for rep in range(args.repeats):
-            for i, (x, task) in enumerate(zip(ids, tasks)):
-                for m in methods:
-                    r = engine.start([x], opts, chat=False, spec=specs[m]).run()[0]
-                    rows.append(dict(rep=rep, prompt=i, task=task, method=m, tokens=r.tokens,
-                                     new_tokens=r.new_tokens, wall_s=r.wall_s, ttft_s=r.ttft_s,
-                                     compile_s=r.compile_s, forwards=r.target_forwards,
-                                     tau=r.extra["tau"],
-                                     accepted_per_position=r.extra.get("accepted_per_position")))
-                    bar.update()
-    return rows
-
-
-def summarize_methods(rows: list[dict]) -> list[dict]:
-    """Per method and task class (and "all"): tok/s, speedup over none, tau, greedy identity."""
-    out = []
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    tasks = ["all"] + sorted({r["task"] for r in rows if r["task"]})
-    base = {(r["rep"], r["prompt"]): r for r in rows if r["method"] == "none"}
-    for m in methods:
-        for t in tasks:
-            sel = [r for r in rows if r["method"] == m and (t == "all" or r["task"] == t)]
-            if not sel:
-                continue
-            wall = sum(r["wall_s"] for r in sel)
-            toks = sum(r["new_tokens"] for r in sel)
-            rec = dict(method=m, task=t, prompts=len({r["prompt"] for r in sel}),
-                       tok_s=toks / wall, ttft_p50_s=statistics.median(r["ttft_s"] for r in sel),
-                       tau=sum(r["new_tokens"] - 1 for r in sel) / max(1, sum(r["forwards"] for r in sel)))
-            if base:
-                b = [base[(r["rep"], r["prompt"])] for r in sel]
-                rec["speedup_vs_none"] = (toks / wall) / (sum(x["new_tokens"] for x in b) / sum(x["wall_s"] for x in b))
-                rec["greedy_identical"] = f"{sum(r['tokens'] == x['tokens'] for r, x in zip(sel, b))}/{len(sel)}"
-            out.append(rec)
-    return out
+def is_load_test(args) -> bool:
+    """Whether the arguments ask for the load test (`specjax.loadbench`) rather than the roofline."""
+    return bool(args.prompts_file or args.concurrency or args.rate is not None
+                or args.methods.strip() != "none")
 
 
 def main(args) -> int:
-    from specjax.config import METHODS
+    """`specjax bench`: the load test when prompts, methods or concurrency are given, else plain
+    decoding against HF transformers and the roofline on a synthetic prompt."""
+    if is_load_test(args):
+        from specjax import loadbench
+
+        return loadbench.main(args)
     from specjax.engine import Engine, GenerateOptions
     from specjax.models import loader
-    from specjax.prompts import read_prompts
 
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise ValueError(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}")
+    args.repeats = 3 if args.repeats is None else args.repeats
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats}: must be >= 1")
-    if "draft" in methods and not args.draft_model:
-        raise ValueError("--methods includes draft: give --draft-model NAME")
-    tasks_keep = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-    prompts = (read_prompts(args.prompts_file, per_task=args.per_task, tasks=tasks_keep)
-               if args.prompts_file else None)
-    if prompts is not None and not prompts:
-        raise ValueError(f"no prompts left in {args.prompts_file} after --tasks/--per-task filtering")
-    texts = [p.text for p in prompts] if prompts else [SYNTHETIC_PROMPT]
-    tasks = [p.task for p in prompts] if prompts else [None]
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    engine = Engine.load(args.model, dtype=args.dtype)
     lm_model, name = engine.model, engine.config.name
-    ids = engine.encode(texts, chat=args.chat)
-    print(f"model {name}, {len(ids)} prompt(s), {args.max_new_tokens} new tokens, greedy, batch 1, "
-          f"methods {methods}", file=sys.stderr)
-
-    if methods != ["none"]:
-        if "none" not in methods:
-            methods = ["none"] + methods  # the baseline, measured in the same run
-        rows = _run_methods(engine, ids, tasks, methods, opts, args)
-        summary = summarize_methods(rows)
-        print(_methods_markdown(summary))
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump({"summary": summary, "runs": rows}, f, indent=1)
-        return 0
+    ids = engine.encode([SYNTHETIC_PROMPT], chat=args.chat)
+    print(f"model {name}, {args.max_new_tokens} new tokens, greedy, batch 1", file=sys.stderr)
 
     from specjax.models import registry
 
@@ -239,14 +180,6 @@ def main(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump(record, f, indent=1)
     return 0
-
-
-def _methods_markdown(summary: list[dict]) -> str:
-    head = "| method | task | prompts | tok/s | speedup vs none | tau | greedy identical |\n|---|---|---|---|---|---|---|\n"
-    return head + "\n".join(
-        f"| {r['method']} | {r['task']} | {r['prompts']} | {r['tok_s']:.1f} | "
-        f"{r.get('speedup_vs_none', float('nan')):.2f}x | {r['tau']:.2f} | {r.get('greedy_identical', '')} |"
-        for r in summary)
 
 
 def _markdown(r: dict) -> str:

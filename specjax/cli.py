@@ -167,18 +167,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="plain vs HF and the roofline; speculative methods vs plain")
+    b = sub.add_parser("bench", help="load test: methods x concurrency per task class (or, with no "
+                                     "prompts/methods/concurrency, plain vs HF and the roofline)")
     _add_model_args(b)
     _add_spec_args(b, many=True)
     b.add_argument("--prompts-file", default=None,
-                   help="prompt file (default: a synthetic ~100-token prompt)")
+                   help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
     b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
     b.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--concurrency", default=None,
+                   help="comma-separated batch slots (concurrent clients), default 1,4,16")
+    b.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals per second instead of closed-loop clients")
+    b.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    b.add_argument("--auto-k", default="2,4,8", help="speculation lengths the auto controller may pick "
+                                                    "(0 = plain is always one)")
+    b.add_argument("--repeats", type=int, default=None, help="default 3 (roofline), 1 (load test)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     b.add_argument("--chat", action="store_true")
     b.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
+    b.add_argument("--telemetry", default=None,
+                   help="write vLLM-shaped speculation counters (JSON lines) to this path")
+    b.add_argument("--runs-json", default=None,
+                   help="write per-run details (calibrated step costs, chunks per K) to this path")
+    b.add_argument("--plots", default=None, help="directory for matplotlib plots (the plot extra)")
     b.set_defaults(func=cmd_bench)
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")

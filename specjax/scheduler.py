@@ -1,0 +1,458 @@
+"""Continuous batching at chunk granularity, for the plain and the speculative loops alike.
+
+Requests arrive (all at once, N closed-loop clients, or Poisson at a given rate) and occupy the
+slots of one fixed-shape batch. The batch decodes in chunks of `chunk` target steps with the same
+compiled loops `Engine.generate` uses; at each chunk boundary the host reads the new tokens, retires
+finished rows, and refills their slots: a batch-1 prefill of the next request at its own prompt
+bucket and the batch's cache length, scattered into the batch state (`_insert`). Nothing else of the
+batch moves, so the other rows continue exactly as if alone: a row's tokens depend only on its own
+prompt, key and position (see `state.step_keys`).
+
+Between chunks the speculation option may change (the adaptive `Controller`): the `DecodeState` is
+shared by every option, and only the proposer state differs; prompt lookup keeps none, which makes
+switching free. Every program (empty batch, insert per bucket, release, one loop per option)
+compiles once through `Engine._program`, so `Engine.compile_count` tracks them.
+
+Example:
+  >>> sched = Scheduler(eng, slots=4, spec="auto", opts=GenerateOptions(max_new_tokens=64))
+  >>> for p in prompts:
+  ...     sched.submit(p, task="qa")
+  >>> done = sched.run()
+  >>> done[0].tokens, done[0].ttft_s, done[0].counters.to_dict()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+
+from specjax import decode
+from specjax.config import SpecConfig
+from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
+from specjax.engine import MAX_STOP_IDS, Engine, GenerateOptions, _plain_loop, _spec_loop, round_up_pow2
+from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.speculative import SpecState, SpecStats
+from specjax.state import DecodeState
+from specjax.telemetry import SpecCounters
+
+_STATICS = ("graphdef", "sampling_config", "cache_length", "window", "proposers")
+
+
+def _put(big, small, slot):
+    """Row `slot` of a batch leaf takes row 0 of the same leaf of a batch of one."""
+    return big.at[slot].set(small[0]) if big.ndim else big
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def _empty(graphdef, params, pparams, max_new: Int[Array, "B"], stop_ids: Int[Array, "B E"], *,
+           sampling_config, cache_length, window, proposers):
+    """A batch of one-token placeholder rows: done at once with max_new 1 (the empty batch), still
+    running with a large max_new and no stop ids (the calibration batch)."""
+    model = nnx.merge(graphdef, params)
+    b = max_new.shape[0]
+    prompts = jnp.zeros((b, 1), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), b)
+    state, hidden = decode.prefill(model, sampling_config, prompts, jnp.ones((b,), jnp.int32), max_new,
+                                   SamplingParams.create(b), stop_ids, keys, cache_length, window)
+    return state, tuple(p.init(pp, state, prompts, hidden) for p, pp in zip(proposers, pparams))
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state", "pstates"))
+def _insert(graphdef, params, pparams, state: DecodeState, pstates, slot: Int[Array, ""],
+            prompt: Int[Array, "1 P"], prompt_len: Int[Array, "1"], max_new: Int[Array, "1"],
+            sp: SamplingParams, stop_ids: Int[Array, "1 E"], key: Array, *,
+            sampling_config, cache_length, window, proposers):
+    """Prefills one request (batch of one, the batch's cache length) into row `slot`.
+
+    The batch's step counter `forwards` is kept; the row's own counters start at zero.
+    """
+    model = nnx.merge(graphdef, params)
+    row, hidden = decode.prefill(model, sampling_config, prompt, prompt_len, max_new, sp, stop_ids,
+                                 key, cache_length, window)
+    put = functools.partial(_put, slot=slot)
+    state = jax.tree.map(put, state, row)
+    new = tuple(p.init(pp, row, prompt, hidden) for p, pp in zip(proposers, pparams))
+    return state, tuple(jax.tree.map(put, ps, n) for ps, n in zip(pstates, new))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _release(graphdef, params, state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
+    """Marks row `slot` done (a cancelled request), so the loop stops spending steps on it."""
+    return state.replace(done=state.done.at[slot].set(True))
+
+
+def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start) of `n` requests of a Poisson process of `rate`/s."""
+    if not rate > 0:
+        raise ValueError(f"arrival rate {rate}: must be > 0 requests per second")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps).tolist()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request and, once run, what it got and when (times in seconds from the run's start)."""
+
+    id: int
+    ids: list[int]
+    max_new_tokens: int
+    task: str | None = None
+    arrival: float | None = None  # None: as soon as a slot is free (a closed-loop client)
+    opt_out: bool = False
+    seed: int = 0
+    status: str = "queued"  # queued | running | finished | cancelled
+    slot: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    arrived_s: float | None = None
+    emissions: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, tokens)
+    finished_s: float | None = None
+    stop_reason: str | None = None
+    target_forwards: int = 0
+    counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
+
+    @property
+    def ttft_s(self) -> float:
+        return self.emissions[0][0] - self.arrived_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_s - self.arrived_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Per-token inter-token latencies: a chunk's gap spread evenly over the tokens it brought."""
+        out = []
+        for (t0, _), (t1, n) in zip(self.emissions, self.emissions[1:]):
+            out += [(t1 - t0) / n] * n
+        return out
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after the first token."""
+        return (len(self.tokens) - 1) / self.target_forwards if self.target_forwards else 1.0
+
+
+class Scheduler:
+    """Serves many requests through one fixed-shape batch of `slots` rows.
+
+    Args:
+      engine: the `Engine` (model, compile cache, proposers).
+      slots: rows of the batch (the concurrency).
+      spec: a fixed `SpecConfig` (plain by default), or "auto" for the adaptive controller.
+      controller: the controller's settings for spec="auto" (default `ControllerConfig()`).
+      opts: generation options; max_new_tokens sizes the cache and bounds each request's budget.
+      chunk: target steps per chunk; slots are refilled and K may change between chunks.
+      chat: wrap string prompts in the chat template.
+      max_prompt_tokens: the longest prompt to accept; default: the longest one submitted before
+        the first step (it fixes the cache length).
+      auto_specs: for "auto", the `SpecConfig` behind an option's method label when it is not
+        simply `SpecConfig(method=label, k=K)`; e.g. {"medusa-tree": SpecConfig(method="medusa",
+        tree="heads")} with ("medusa-tree", depth) in `ControllerConfig.extra`.
+      clock: seconds; `time.perf_counter` by default.
+    """
+
+    def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
+                 controller: ControllerConfig | None = None, opts: GenerateOptions = GenerateOptions(),
+                 chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
+                 auto_specs: dict[str, SpecConfig] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if int(slots) != slots or slots < 1:
+            raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
+        if int(chunk) != chunk or chunk < 1:
+            raise ValueError(f"chunk={chunk}: must be an integer >= 1")
+        opts.validate()
+        self.engine, self.b, self.opts, self.chunk, self.chat = engine, int(slots), opts, int(chunk), chat
+        self.clock = clock
+        resolve = getattr(engine, "resolve", lambda s: s)
+        if isinstance(spec, str):
+            if spec != "auto":
+                raise ValueError(f"spec={spec!r}: give a SpecConfig or 'auto'")
+            self.ccfg = controller or ControllerConfig()
+            named = auto_specs or {}
+            self.specs = {o: resolve(named.get(o[0]) or SpecConfig(method=o[0], k=o[1]))
+                          for o in self.ccfg.options if o != PLAIN}
+        else:
+            self.ccfg = None
+            spec = resolve(spec)
+            self.specs = {} if spec.method == "none" else {(spec.method, spec.k): spec}
+        self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs else ()) + tuple(self.specs)
+        self.proposers = {o: engine.proposer(s) for o, s in self.specs.items()}  # raises before compiling
+        self.window = max([1] + [s.window for s in self.specs.values()])
+        self.sc = SamplingConfig(method="sample" if opts.temperature > 0 else "greedy")
+        self.max_prompt_tokens = max_prompt_tokens
+        self.requests: list[Request] = []
+        self.queue: list[Request] = []
+        self.slots: list[Request | None] = [None] * self.b
+        self.controller: Controller | None = None
+        self.cost: CostModel | None = None
+        self.state: DecodeState | None = None
+        self.chunk_log: list[tuple[Option, int, float]] = []  # (option, active rows, seconds)
+        self.compile_s = 0.0
+        self._t0 = None
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], *, task: str | None = None,
+               arrival: float | None = None, opt_out: bool = False, max_new_tokens: int | None = None,
+               seed: int | None = None) -> int:
+        """Queues a request; returns its id. Validates it now (nothing compiles here)."""
+        m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
+            raise ValueError(f"max_new_tokens={m}: must be in [1, {self.opts.max_new_tokens}] "
+                             "(the scheduler's GenerateOptions.max_new_tokens sizes the cache)")
+        if arrival is not None and not arrival >= 0:
+            raise ValueError(f"arrival={arrival}: must be >= 0 seconds (or None)")
+        (ids,) = self.engine.check([prompt], self.opts, chat=self.chat)
+        if self.state is not None and self.engine.bucket_for(len(ids)) > self.bucket:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
+                             f"{self.bucket}; pass max_prompt_tokens= when creating it")
+        req = Request(id=len(self.requests), ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
+                      opt_out=opt_out, seed=self.opts.seed if seed is None else seed)
+        self.requests.append(req)
+        self.queue.append(req)
+        return req.id
+
+    def cancel(self, rid: int) -> None:
+        """Cancels a request: a queued one never runs; a running one frees its slot now."""
+        req = self.requests[rid]
+        if req.status == "queued":
+            self.queue.remove(req)
+        elif req.status == "running":
+            self.state = self._programs["release"](self.engine.params, self.state, jnp.int32(req.slot))
+            self.slots[req.slot] = None
+            if self.controller:
+                self.controller.remove_row(req.id)
+        else:
+            return
+        req.status, req.finished_s, req.stop_reason = "cancelled", self.now(), "cancelled"
+
+    def now(self) -> float:
+        return 0.0 if self._t0 is None else self.clock() - self._t0
+
+    # ---- programs --------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Fixes the cache length, compiles every program and (for "auto") calibrates the cost model.
+
+        Runs at the first `step` if not called; call it first to keep compile time out of timings.
+        """
+        if self.state is not None:
+            return
+        longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
+        self.bucket = self.engine.bucket_for(longest)
+        self.cache_length = self.bucket + round_up_pow2(self.opts.max_new_tokens) + self.window
+        spec_opts = tuple(self.specs)
+        self._pparams = tuple(self.proposers[o][1] for o in spec_opts)
+        self._statics = dict(sampling_config=self.sc, cache_length=self.cache_length, window=self.window,
+                             proposers=tuple(self.proposers[o][0] for o in spec_opts))
+        self._programs: dict = {}
+        stop = jnp.full((self.b, MAX_STOP_IDS), -1, jnp.int32)
+        empty_args = (self._pparams, jnp.ones((self.b,), jnp.int32), stop)
+        self._programs["empty"] = self._compile("sched_empty", _empty, self._statics, *empty_args)
+        self.state, pstates = self._programs["empty"](self.engine.params, *empty_args)
+        self.pstates = dict(zip(spec_opts, pstates))
+        self._programs["release"] = self._compile("sched_release", _release, {}, self.state, jnp.int32(0))
+        for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
+            self._insert_program(p)
+        stop_at = jax.ShapeDtypeStruct((), jnp.int32)
+        for o in self.options:
+            if o == PLAIN:
+                self._programs[o] = self._compile("loop", _plain_loop, dict(sampling_config=self.sc),
+                                                  self.state, stop_at)
+            else:
+                prop, pp = self.proposers[o]
+                s = SpecState(decode=self.state, proposer=self.pstates[o], stats=SpecStats.zeros(self.b, o[1]))
+                self._programs[o] = self._compile("loop", _spec_loop,
+                                                  dict(proposer=prop, sampling_config=self.sc), pp, s, stop_at)
+        self._lengths = np.asarray(self.state.lengths).copy()
+        if self.ccfg is not None:
+            self.cost = self.calibrate()
+            self.controller = Controller(self.ccfg, self.cost)
+
+    def _compile(self, kind, fn, statics, *args):
+        before = self.engine.compile_count
+        prog = self.engine._program(kind, fn, statics, *args)
+        if self.engine.compile_count > before:
+            self.compile_s += self.engine._last_compile_s
+        return prog
+
+    def _insert_program(self, p: int):
+        if ("insert", p) not in self._programs:
+            args = self._insert_args(0, Request(id=-1, ids=[0], max_new_tokens=1), p)
+            self._programs[("insert", p)] = self._compile("sched_insert", _insert, self._statics, *args)
+        return self._programs[("insert", p)]
+
+    def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
+        o = self.opts
+        prompt = np.zeros((1, p), np.int32)
+        prompt[0, : len(req.ids)] = req.ids
+        stops = self.engine._stop_ids(o)
+        stop = np.full((1, MAX_STOP_IDS), -1, np.int32)
+        stop[0, : len(stops)] = stops
+        pstates = tuple(self.pstates[k] for k in self.specs)
+        return (self._pparams, self.state, pstates, jnp.int32(slot), jnp.asarray(prompt),
+                jnp.asarray([len(req.ids)], jnp.int32), jnp.asarray([req.max_new_tokens], jnp.int32),
+                SamplingParams.create(1, o.temperature, o.top_k, o.top_p), jnp.asarray(stop),
+                jax.random.split(jax.random.key(req.seed), 1))
+
+    def calibrate(self, steps: int = 4, repeats: int = 3) -> CostModel:
+        """Seconds per target step of every option, at this batch's shape, on this machine.
+
+        Times chunks of the compiled loops on a batch of placeholder rows that never stop; each
+        option gets a fresh batch (its rows must not fill the cache) and one warm-up chunk.
+        """
+        seconds = {}
+        big = jnp.full((self.b,), self.cache_length, jnp.int32)
+        stop = jnp.full((self.b, MAX_STOP_IDS), -1, jnp.int32)
+        for o in self.options:
+            k1 = o[1] + 1
+            n = max(1, min(steps, (self.cache_length - 2) // (k1 * (repeats + 1)) - 1))
+            st, ps = self._programs["empty"](self.engine.params, self._pparams, big, stop)
+            ps = dict(zip(self.specs, ps))
+            ts = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                st, ps, fwd = self._run_loop(o, st, ps, 1 if i == 0 else n)
+                if i and fwd:
+                    ts.append((time.perf_counter() - t0) / fwd)
+            seconds[o] = statistics.median(ts) if ts else float("inf")
+            del st, ps
+        return CostModel(seconds, batch=self.b)
+
+    def _run_loop(self, o: Option, state, pstates, n: int):
+        """Runs `n` steps of option `o`; returns the states and the steps actually run."""
+        start = int(state.forwards)
+        stop_at = jnp.asarray(start + n, jnp.int32)
+        if o == PLAIN:
+            state = self._programs[o](self.engine.params, state, stop_at)
+            stats = None
+        else:
+            s = SpecState(decode=state, proposer=pstates[o], stats=SpecStats.zeros(self.b, o[1]))
+            s = self._programs[o](self.engine.params, self.proposers[o][1], s, stop_at)
+            state, stats = s.decode, s.stats
+            pstates = {**pstates, o: s.proposer}
+        jax.block_until_ready(state)
+        self._last_stats = stats
+        return state, pstates, int(state.forwards) - start
+
+    # ---- the serving loop --------------------------------------------------------------------
+    def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
+        """Steps until every submitted request has finished or been cancelled; returns all of them."""
+        self.prepare()
+        while self.step():
+            if on_chunk is not None:
+                on_chunk(self)
+        return self.requests
+
+    def step(self) -> bool:
+        """Admits arrived requests into free slots, then decodes one chunk.
+
+        Returns False when nothing is running and nothing is queued.
+        """
+        self.prepare()
+        if self._t0 is None:
+            self._t0 = self.clock()
+        self._admit()
+        active = [r for r in self.slots if r is not None]
+        if not active:
+            if not self.queue:
+                return False
+            wait = min(r.arrival for r in self.queue) - self.now()  # all queued ones are in the future
+            time.sleep(max(0.0, wait))
+            return True
+        plan = self.plan(active)
+        self._decode_chunk(plan.option, active)
+        return True
+
+    def plan(self, active: Sequence[Request]) -> Plan:
+        if self.controller is None:
+            return Plan(self.options[0], 1.0, "fixed")
+        return self.controller.choose([r.id for r in active])
+
+    def _admit(self) -> None:
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        while free:
+            now = self.now()
+            ready = [r for r in self.queue if r.arrival is None or r.arrival <= now]
+            if not ready:
+                return
+            req = ready[0]
+            self.queue.remove(req)
+            self._insert(free[0], req, now)
+            if req.status == "running":
+                free.pop(0)
+
+    def _insert(self, slot: int, req: Request, now: float) -> None:
+        req.arrived_s = now if req.arrival is None else req.arrival
+        p = self.engine.bucket_for(len(req.ids))
+        prog = self._insert_program(p)
+        self.state, ps = prog(self.engine.params, *self._insert_args(slot, req, p))
+        self.pstates = dict(zip(self.specs, ps))
+        lengths, done = np.asarray(self.state.lengths), np.asarray(self.state.done)
+        t = self.now()
+        req.status, req.slot = "running", slot
+        req.tokens = [int(np.asarray(self.state.tokens[slot, len(req.ids)]))]
+        req.emissions.append((t, 1))
+        self._lengths[slot] = lengths[slot]
+        self.slots[slot] = req
+        if self.controller is not None:
+            self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
+        if done[slot]:
+            self._finish(req, t, 0)
+
+    def _decode_chunk(self, o: Option, active: list[Request]) -> None:
+        t0 = self.clock()
+        self.state, self.pstates, _ = self._run_loop(o, self.state, self.pstates, self.chunk)
+        t = self.now()
+        self.chunk_log.append((o, len(active), self.clock() - t0))
+        s = self.state
+        tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
+        stats = None if self._last_stats is None else jax.tree.map(np.asarray, self._last_stats)
+        label = o[0] if o == PLAIN else f"{o[0]}:{o[1]}"
+        for req in active:
+            i = req.slot
+            new = tokens[i, self._lengths[i]: lengths[i]].tolist()
+            self._lengths[i] = lengths[i]
+            if new:
+                req.tokens += new
+                req.emissions.append((t, len(new)))
+            req.chunks[label] = req.chunks.get(label, 0) + 1
+            if stats is not None:
+                steps = int(stats.accept_hist[i].sum())
+                app = stats.accepted_per_position[i].tolist()
+                req.counters.add(k=o[1], accepted_per_position=app, steps=steps)
+                if self.controller is not None:
+                    self.controller.observe(req.id, o[0], app, steps)
+            if done[i]:
+                self._finish(req, t, int(fwd[i]))
+
+    def _finish(self, req: Request, t: float, forwards: int) -> None:
+        stops = set(self.engine._stop_ids(self.opts))
+        if req.tokens and req.tokens[-1] in stops:
+            req.stop_reason = "stop_token"
+        elif len(req.tokens) >= req.max_new_tokens:
+            req.stop_reason = "max_new_tokens"
+        else:
+            req.stop_reason = "cache_full"
+        req.status, req.finished_s, req.target_forwards = "finished", t, forwards
+        self.slots[req.slot] = None
+        if self.controller is not None:
+            self.controller.remove_row(req.id)
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes of what this scheduler keeps on the device: weights, draft/heads, caches."""
+        nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                                  if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+        extra = {id(x): x for pp in self._pparams for x in jax.tree.leaves(pp)}
+        return dict(target_weight_bytes=nbytes(self.engine.params),
+                    draft_weight_bytes=nbytes(list(extra.values())),
+                    cache_bytes=nbytes(self.state) + nbytes(self.pstates))

@@ -1,0 +1,108 @@
+"""`specjax bench` under load: records, tables, plots, telemetry; bad input fails before loading."""
+
+import json
+
+import pytest
+
+from specjax import cli, loadbench
+from specjax.engine import Engine, GenerateOptions
+from specjax.loadbench import LoadPlan
+from specjax.prompts import Prompt
+
+FIELDS = {"method", "concurrency", "task", "tau", "speedup_vs_none", "throughput_tok_s", "ttft_p50_s",
+          "itl_p50_s", "itl_p99_s", "peak_mem_bytes", "greedy_identical", "target_weight_bytes",
+          "draft_weight_bytes", "cache_bytes"}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model):
+    eng = Engine(tiny_model)
+    prompts = loadbench.interleave([
+        Prompt(1, [5, 9, 12, 5, 9, 12, 5, 9], "copy"), Prompt(2, [3, 4, 5, 3, 4, 5], "copy"),
+        Prompt(3, [40, 41, 42, 43, 40], "chat"), Prompt(4, list(range(1, 20)), "chat"),
+    ])
+    plan = LoadPlan(methods=("ngram", "auto"), concurrency=(1, 2), chunk=4)
+    req_rows, run_rows = loadbench.run(eng, prompts, plan, GenerateOptions(max_new_tokens=10),
+                                       progress=False)
+    return req_rows, run_rows, loadbench.summarize(req_rows, run_rows)
+
+
+def test_interleave_mixes_tasks():
+    ps = [Prompt(i, "x", t) for i, t in enumerate("aaabbc")]
+    assert [p.task for p in loadbench.interleave(ps)] == list("abcaba")
+
+
+def test_records(results):
+    req_rows, run_rows, records = results
+    assert {(r["method"], r["concurrency"]) for r in run_rows} == {
+        (m, c) for m in ("none", "ngram", "auto") for c in (1, 2)}  # none is always the baseline
+    assert len(req_rows) == 3 * 2 * 4
+    assert {r["task"] for r in records} == {"all", "copy", "chat"}
+    for r in records:
+        assert FIELDS <= set(r)
+        assert r["greedy_identical"] is True and r["greedy_identical_n"] == r["requests"]
+        assert r["tau"] >= 1.0 and r["throughput_tok_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"]
+        assert r["peak_mem_bytes"] == r["target_weight_bytes"] + r["draft_weight_bytes"] + r["cache_bytes"]
+        if r["method"] == "none":
+            assert r["speedup_vs_none"] == pytest.approx(1.0)
+    assert all(r["tau"] > 1.0 for r in records if r["method"] == "ngram" and r["task"] == "copy")
+    json.dumps(records)
+    auto = [r for r in run_rows if r["method"] == "auto"]
+    assert all("cost_s_per_step" in r and "none:0" in r["cost_s_per_step"] for r in auto)
+
+
+def test_markdown_plots_and_telemetry(results, tmp_path):
+    req_rows, _, records = results
+    md = loadbench.markdown(records)
+    assert md.count("\n| auto | 2 |") == 3 + 1  # three task rows, one memory row
+    pytest.importorskip("matplotlib")
+    paths = loadbench.plot(records, str(tmp_path / "plots"))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["speedup_vs_concurrency.png", "tau_by_task.png"]
+    rows = loadbench.telemetry_rows(req_rows)
+    agg = [r for r in rows if r["kind"] == "aggregate" and r["task"] == "all"]
+    assert len(agg) == 6 and all(json.dumps(r) for r in rows)
+    ngram = next(r for r in agg if r["method"] == "ngram" and r["concurrency"] == 1)
+    assert ngram["num_draft_tokens"] == 4 * ngram["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(methods=("ngram", "eagle")), "unknown method 'eagle'"),
+    (dict(methods=("none",), concurrency=(1, 0)), "concurrency 0"),
+    (dict(methods=("none",), concurrency=()), "concurrency"),
+    (dict(methods=("none",), rate=0.0), "rate"),
+    (dict(methods=("none",), rate=-2.0), "rate"),
+])
+def test_bad_plan(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LoadPlan(**kw)
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--methods", "none,bogus"], "unknown method 'bogus'"),
+    (["--concurrency", "0"], "concurrency 0"),
+    (["--concurrency", "1,x"], "comma-separated integers"),
+    (["--rate", "0"], "rate"),
+    (["--prompts-file", "EMPTY"], "empty"),
+    (["--prompts-file", "BAD"], "malformed"),
+    (["--prompts-file", "MISSING"], "does not exist"),
+    (["--methods", "draft"], "draft-model"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(Engine, "load", no_load)
+    files = {"EMPTY": _write(tmp_path, "\n\n"), "MISSING": str(tmp_path / "nope.jsonl")}
+    if "BAD" in argv:
+        files["BAD"] = _write(tmp_path, '{"question_id": 1, "task": "qa", "turns": ["hi"]}\n{"task": "qa"\n')
+    argv = [files.get(a, a) for a in argv]
+    assert cli.main(["bench", "--methods", "none,ngram", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err

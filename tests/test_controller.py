@@ -1,0 +1,147 @@
+"""Adaptive controller on synthetic acceptance traces (pure host arithmetic, no model)."""
+
+import numpy as np
+import pytest
+
+from specjax.controller import (PLAIN, Controller, ControllerConfig, CostModel, expected_tokens,
+                                expected_tokens_rates, position_counts)
+
+# batch 1 on CPU: a 9-token verify costs about 1.5 plain steps (docs/BENCHMARKS.md)
+LIGHT = CostModel({PLAIN: 1.0, ("ngram", 2): 1.15, ("ngram", 4): 1.3, ("ngram", 8): 1.6}, batch=1)
+# compute-bound: a K+1 window costs a little more than K+1 plain steps
+HEAVY = CostModel({PLAIN: 1.0, ("ngram", 2): 3.1, ("ngram", 4): 5.2, ("ngram", 8): 9.3}, batch=16)
+# batch 16 as measured on CPU (verify at K=4: 2.5x a plain step)
+MEASURED_16 = CostModel({PLAIN: 1.0, ("ngram", 2): 1.8, ("ngram", 4): 2.5, ("ngram", 8): 4.0}, batch=16)
+
+
+def trace(alpha, k, steps, rng):
+    """Per-position acceptance counts of `steps` steps where each draft is kept with prob alpha."""
+    n = np.minimum(rng.geometric(1 - alpha, size=steps) - 1, k) if alpha < 1 else np.full(steps, k)
+    return [int((n > j).sum()) for j in range(k)]
+
+
+def run(controller, rows, alphas, chunks=30, steps=8, seed=0):
+    """Feeds a controller chunk by chunk as the scheduler does; returns the options it chose."""
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for _ in range(chunks):
+        plan = controller.choose(rows)
+        chosen.append(plan.option)
+        if plan.k:
+            for r in rows:
+                controller.observe(r, plan.option[0], trace(alphas[r], plan.k, steps, rng), steps)
+    return chosen
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.7, 0) == 1.0
+    a, k = 0.6, 5
+    assert expected_tokens(a, k) == pytest.approx(sum(a ** j for j in range(k + 1)))
+
+
+def test_position_counts_and_rates():
+    # 10 steps at K=3: position 0 tried 10 times, kept 6; position 1 tried 6, kept 3; ...
+    tried, kept = position_counts([6, 3, 1], steps=10)
+    assert tried.tolist() == [10, 6, 3] and kept.tolist() == [6, 3, 1]
+    assert expected_tokens_rates([0.6, 0.5, 1 / 3], 3) == pytest.approx(1 + 0.6 + 0.3 + 0.1)
+    assert expected_tokens_rates([0.5] * 4, 4) == pytest.approx(expected_tokens(0.5, 4))
+    # a proposer that is either wholly right or wholly wrong: the first draft is the gamble
+    c = Controller(ControllerConfig(prior_weight=0.0), LIGHT)
+    c.add_row("a")
+    c.observe("a", "ngram", [3, 3, 3, 3], steps=10)
+    assert c.rates("a", "ngram")[:4].tolist() == pytest.approx([0.3, 1, 1, 1])
+    assert c.expected("a", ("ngram", 4)) == pytest.approx(1 + 4 * 0.3)
+    assert c.alpha("a", "ngram") == pytest.approx(12 / 19)
+
+
+def test_high_acceptance_raises_k():
+    c = Controller(ControllerConfig(), LIGHT)
+    c.add_row("a", task="translation")
+    chosen = run(c, ["a"], {"a": 0.9})
+    assert chosen[-10:] == [("ngram", 8)] * 10
+    assert c.alpha("a", "ngram") == pytest.approx(0.9, abs=0.08)
+    assert c.rates("a", "ngram")[:8] == pytest.approx([0.9] * 8, abs=0.1)
+
+    mid = Controller(ControllerConfig(), LIGHT)
+    mid.add_row("b", task="qa")
+    k_mid = run(mid, ["b"], {"b": 0.45})[-1][1]
+    assert 0 < k_mid < 8  # medium acceptance: a shorter window pays best
+
+
+def test_low_acceptance_falls_back_to_plain():
+    c = Controller(ControllerConfig(), LIGHT)
+    c.add_row("a", task="mt_bench")
+    chosen = run(c, ["a"], {"a": 0.05}, chunks=40)
+    assert chosen[0] != PLAIN  # the prior says try it
+    late = chosen[10:]
+    assert late.count(PLAIN) >= len(late) - 3  # at most a rare probe once acceptance is known
+    assert c.choose(["a"]).gain < 1.0
+
+
+def test_heavy_load_switches_speculation_off():
+    """When a verify step costs K+1 plain steps nothing can pay, even a perfect proposer."""
+    c = Controller(ControllerConfig(), HEAVY)
+    c.add_row("a")
+    chosen = run(c, ["a"], {"a": 1.0}, chunks=50)
+    assert set(chosen) == {PLAIN}
+    # with the costs measured at batch 16, prompt lookup's typical acceptance does not pay either
+    rows = [f"r{i}" for i in range(16)]
+    c = Controller(ControllerConfig(), MEASURED_16)
+    for r in rows:
+        c.add_row(r, task="qa")
+    chosen = run(c, rows, {r: 0.35 for r in rows}, chunks=60)
+    assert chosen[10:].count(PLAIN) >= 48
+    # the same acceptance at batch 1 does pay
+    c = Controller(ControllerConfig(), LIGHT)
+    c.add_row("x")
+    assert run(c, ["x"], {"x": 0.35}, chunks=20)[-1] != PLAIN
+
+
+def test_opted_out_request_never_speculates():
+    c = Controller(ControllerConfig(probe_every=1), LIGHT)
+    c.add_row("out", opt_out=True)
+    c.add_row("in")
+    assert c.choose_row("out") == PLAIN and c.choose_row("in") != PLAIN
+    assert set(run(c, ["out", "in"], {"out": 1.0, "in": 1.0}, chunks=20)) == {PLAIN}
+    assert c.choose(["out", "in"]).reason == "opt_out"
+    assert c.choose(["in"]).option != PLAIN  # once it leaves, the batch speculates again
+
+
+def test_statistics_per_task_seed_new_rows():
+    c = Controller(ControllerConfig(), LIGHT)
+    c.add_row("t1", task="translation")
+    c.add_row("m1", task="mt_bench")
+    run(c, ["t1"], {"t1": 0.9}, chunks=10)
+    c.remove_row("t1")
+    c.add_row("m1b", task="mt_bench")
+    c.observe("m1b", "ngram", [0, 0, 0, 0], steps=40)
+    c.add_row("t2", task="translation")  # a new request of a task seen before starts from it
+    assert c.alpha("t2", "ngram") > 0.8
+    assert c.task_alpha("mt_bench", "ngram") < 0.1
+    s = c.summary()
+    assert set(s) == {"translation", "mt_bench"} and s["translation"]["ngram"]["expected_tau"][8] > 4
+
+
+def test_probe_after_plain_run_only_when_it_could_pay():
+    cfg = ControllerConfig(probe_every=4, prior_weight=1.0)
+    c = Controller(cfg, LIGHT)
+    c.add_row("a")
+    c.observe("a", "ngram", [0, 0], steps=3)  # little evidence of failure
+    reasons = [c.choose(["a"]).reason for _ in range(10)]
+    assert "probe" in reasons and reasons[0] == "no_gain"
+    h = Controller(cfg, HEAVY)
+    h.add_row("a")
+    assert "probe" not in [h.choose(["a"]).reason for _ in range(20)]
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="ks"):
+        ControllerConfig(ks=(0, -2))
+    with pytest.raises(ValueError, match="methods"):
+        ControllerConfig(methods=("none",))
+    with pytest.raises(ValueError, match="lacks"):
+        Controller(ControllerConfig(ks=(0, 3)), LIGHT)
+    assert ControllerConfig(ks=(4, 2)).options == (PLAIN, ("ngram", 2), ("ngram", 4))
+    assert ControllerConfig(ks=(2,), extra=(("medusa", 3),)).options[-1] == ("medusa", 3)

@@ -1,0 +1,180 @@
+"""Continuous batching: every request completes once, with the tokens it gets alone."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax import telemetry
+from specjax.config import SpecConfig
+from specjax.controller import ControllerConfig
+from specjax.engine import Engine, GenerateOptions
+from specjax.models import config as model_config
+from specjax.models import loader
+from specjax.scheduler import Scheduler, poisson_arrivals
+from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+
+PROMPTS = [
+    [5, 9, 12, 5, 9, 12, 5, 9],
+    list(range(1, 31)),
+    [40, 41, 42, 43, 40, 41],
+    [3, 4, 5, 3, 4, 5, 3],
+    [7, 8, 7, 8, 7],
+    list(range(10, 50)),  # a second prompt bucket (64)
+]
+BUDGETS = [20, 7, 16, 3, 12, 9]
+M = 20
+SPECS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto": "auto",
+         "draft": SpecConfig(method="draft", k=3), "medusa": SpecConfig(method="medusa", k=3),
+         "medusa-tree": SpecConfig(method="medusa", tree="small"), "auto-medusa": "auto"}
+AUTO_MEDUSA = ControllerConfig(ks=(0, 2, 4), methods=("ngram",), extra=(("medusa", 2), ("tree", 3)),
+                               prior_alpha=0.9)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    """With an untrained draft model and random Medusa heads: their per-row states (a cache, a
+    hidden state) are scattered into the batch too."""
+    heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
+                        rngs=nnx.Rngs(0))
+    k1, k2 = jax.random.split(jax.random.key(0))
+    heads.w[...] = jax.random.normal(k1, heads.w.shape) * 0.5 * tiny_model.config.dim ** -0.5
+    heads.b[...] = jax.random.normal(k2, heads.b.shape) * 0.5
+    return Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1), heads=heads)
+
+
+@pytest.fixture(scope="module")
+def alone(eng):
+    """Each prompt decoded by itself (batch of one, plain loop): the oracle."""
+    return [eng.generate([p], max_new_tokens=m)[0].tokens for p, m in zip(PROMPTS, BUDGETS)]
+
+
+def serve(eng, spec, *, slots=2, prompts=PROMPTS, budgets=BUDGETS, opts=None, **kw):
+    s = Scheduler(eng, slots=slots, spec=spec, opts=opts or GenerateOptions(max_new_tokens=M), chunk=3,
+                  max_prompt_tokens=40, **kw)  # one cache length for all tests: programs are shared
+    for p, m in zip(prompts, budgets):
+        s.submit(p, max_new_tokens=m, task="a" if len(p) < 10 else "b")
+    return s
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_every_request_once_with_its_alone_tokens(eng, alone, method):
+    kw = {}
+    if method == "auto-medusa":  # chooses among prompt lookup, a Medusa chain and a Medusa tree
+        kw = dict(controller=AUTO_MEDUSA, auto_specs={"tree": SpecConfig(method="medusa", tree="small")})
+    s = serve(eng, SPECS[method], **kw)
+    running = []
+    out = s.run(on_chunk=lambda s: running.append(sum(r is not None for r in s.slots)))
+    assert [r.id for r in out] == list(range(len(PROMPTS)))
+    assert all(r.status == "finished" for r in out) and not s.queue
+    assert max(running) <= 2 and s.slots == [None, None]
+    for r, want, m in zip(out, alone, BUDGETS):
+        assert r.tokens == want and r.stop_reason == "max_new_tokens" and len(r.tokens) == m
+        assert r.ttft_s >= 0 and r.finished_s >= r.emissions[0][0]
+        assert sum(n for _, n in r.emissions) == len(r.tokens)
+        assert len(r.itl_s) == len(r.tokens) - 1
+    assert {r.slot for r in out} == {0, 1}  # finished slots were refilled
+    mem = s.memory()
+    assert mem["cache_bytes"] > 0 and (mem["draft_weight_bytes"] > 0) == (method not in ("none", "ngram", "auto"))
+    if method == "auto-medusa":
+        assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("medusa", 2), ("tree", 3)}
+        used = {k for r in out for k in r.chunks}
+        assert used - {"none"}, used  # with an optimistic prior it speculates at first
+    if method == "ngram":
+        assert sum(r.counters.num_accepted_tokens for r in out) > 0
+        for r in out:
+            c = r.counters
+            assert c.num_draft_tokens == 4 * c.num_drafts == 4 * r.target_forwards
+            assert c.num_accepted_tokens == sum(c.accepted_tokens_per_pos)
+            assert len(r.tokens) - 1 <= c.num_accepted_tokens + r.target_forwards
+
+
+def test_stop_tokens_and_sampling_match_alone(eng):
+    stop = eng.generate([PROMPTS[0]], max_new_tokens=M)[0].tokens[5]
+    kw = dict(max_new_tokens=M, stop_ids=(stop,), temperature=0.9, top_k=8, seed=3)
+    want = [eng.generate([p], **kw)[0] for p in PROMPTS[:3]]
+    s = serve(eng, SpecConfig(), slots=2, prompts=PROMPTS[:3], budgets=[M] * 3, opts=GenerateOptions(**kw))
+    for r, w in zip(s.run(), want):
+        assert r.tokens == w.tokens and r.stop_reason == w.stop_reason
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others(eng, alone):
+    s = serve(eng, SpecConfig(method="ngram", k=2), prompts=PROMPTS[:4], budgets=[M, M, 16, 3])
+    s.step()  # admits 0 and 1, decodes a chunk
+    assert [r.status for r in s.requests] == ["running", "running", "queued", "queued"]
+    s.cancel(3)  # a queued request never runs
+    s.cancel(0)
+    assert s.slots[0] is None and bool(np.asarray(s.state.done)[0])
+    out = s.run()
+    assert [r.status for r in out] == ["cancelled", "finished", "finished", "cancelled"]
+    assert out[2].slot == 0 and out[3].tokens == []
+    assert out[0].tokens == alone[0][: len(out[0].tokens)] and len(out[0].tokens) < M
+    full = eng.generate([PROMPTS[1]], max_new_tokens=M)[0].tokens
+    assert out[1].tokens == full and out[2].tokens == alone[2]
+
+
+def test_compiles_once_per_k(eng):
+    serve(eng, "auto").run()
+    before = eng.compile_count
+    s = serve(eng, "auto")
+    s.run()
+    assert eng.compile_count == before  # same shapes: nothing new, whichever K each chunk used
+    assert len({o for o, _, _ in s.chunk_log}) >= 1
+    assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("ngram", 8)}
+
+
+def test_opted_out_request_never_speculates(eng, alone):
+    s = Scheduler(eng, slots=2, spec="auto", opts=GenerateOptions(max_new_tokens=M), chunk=3,
+                  max_prompt_tokens=40)
+    for i, (p, m) in enumerate(zip(PROMPTS[:3], BUDGETS[:3])):
+        s.submit(p, max_new_tokens=m, opt_out=(i == 0))
+    out = s.run()
+    assert out[0].counters.num_drafts == 0 and set(out[0].chunks) == {"none"}
+    assert [r.tokens for r in out] == alone[:3]
+
+
+def test_poisson_arrivals(eng, alone):
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, 0.0)
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, -1.0)
+    t = poisson_arrivals(4, 200.0, seed=1)
+    assert len(t) == 4 and all(b > a for a, b in zip(t, t[1:])) and t[0] > 0
+    s = Scheduler(eng, slots=2, opts=GenerateOptions(max_new_tokens=M), chunk=3, max_prompt_tokens=40)
+    for p, m, a in zip(PROMPTS[:4], BUDGETS[:4], t):
+        s.submit(p, max_new_tokens=m, arrival=a)
+    out = s.run()
+    assert [r.tokens for r in out] == alone[:4]
+    assert all(r.arrived_s == a and r.emissions[0][0] >= a for r, a in zip(out, t))
+
+
+def test_telemetry_records(eng):
+    out = serve(eng, SpecConfig(method="ngram", k=4)).run()
+    rows = telemetry.records([dict(id=r.id, task=r.task, counters=r.counters) for r in out], method="ngram")
+    reqs = [x for x in rows if x["kind"] == "request"]
+    agg = {x["task"]: x for x in rows if x["kind"] == "aggregate"}
+    assert len(reqs) == len(out) and set(agg) == {"all", "a", "b"}
+    assert agg["all"]["num_drafts"] == sum(x["num_drafts"] for x in reqs)
+    assert agg["a"]["num_accepted_tokens"] + agg["b"]["num_accepted_tokens"] == agg["all"]["num_accepted_tokens"]
+    assert agg["all"]["mean_acceptance_length"] == pytest.approx(
+        1 + agg["all"]["num_accepted_tokens"] / agg["all"]["num_drafts"])
+    res = eng.generate([PROMPTS[0]], max_new_tokens=M, spec=SpecConfig(method="ngram", k=4))[0]
+    c = telemetry.from_extra(res.extra)
+    assert c.num_drafts == res.target_forwards and c.num_accepted_tokens == res.extra["accepted"]
+
+
+def test_bad_input_fails_before_compiling(eng, tiny_model):
+    before = eng.compile_count
+    for kw, match in [(dict(slots=0), "slots"), (dict(slots=1.5), "slots"), (dict(slots=1, spec="fast"), "auto"),
+                      (dict(slots=1, chunk=0), "chunk"),
+                      (dict(slots=1, spec=SpecConfig(method="draft")), "draft model")]:
+        with pytest.raises(ValueError, match=match):
+            Scheduler(Engine(tiny_model), **kw)
+    s = Scheduler(eng, slots=1, opts=GenerateOptions(max_new_tokens=8))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        s.submit([1, 2], max_new_tokens=9)
+    with pytest.raises(ValueError, match="arrival"):
+        s.submit([1, 2], arrival=-1.0)
+    with pytest.raises(ValueError, match="empty"):
+        s.submit([])
+    assert eng.compile_count == before
