@@ -10,7 +10,10 @@ prompt, key and position (see `state.step_keys`).
 
 Between chunks the speculation option may change (the adaptive `Controller`): the `DecodeState` is
 shared by every option, and only the proposer state differs; prompt lookup keeps none, which makes
-switching free. Every program (empty batch, insert per bucket, release, one loop per option)
+switching free. Each speculative option keeps its own proposer state (leaves with the batch on axis
+0, initialised per row at insertion); chunks of other options leave it stale (a Medusa hidden state
+for one step, a draft model's cache for good), which costs acceptance, never correctness, so `auto`
+mixes only stateless or self-correcting proposers by default. Every program (empty batch, insert per bucket, release, one loop per option)
 compiles once through `Engine._program`, so `Engine.compile_count` tracks them.
 
 Example:
@@ -122,10 +125,14 @@ class Request:
 
     @property
     def ttft_s(self) -> float:
-        return self.emissions[0][0] - self.arrived_s
+        """Arrival to first token (nan for a request cancelled before it ran)."""
+        return self.emissions[0][0] - self.arrived_s if self.emissions else float("nan")
 
     @property
     def latency_s(self) -> float:
+        """Arrival to last token, or to the cancellation."""
+        if self.finished_s is None or self.arrived_s is None:
+            return float("nan")
         return self.finished_s - self.arrived_s
 
     @property
