@@ -106,3 +106,20 @@ def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, 
     assert cli.main(["bench", "--methods", "none,ngram", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
+
+
+def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
+    from flax import nnx
+
+    from specjax.config import SpecConfig
+    from specjax.controller import ControllerConfig
+    from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+
+    heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
+                        rngs=nnx.Rngs(0))
+    eng = Engine(tiny_model, heads=heads)
+    auto, named = loadbench._with_medusa(eng, ControllerConfig(ks=(0, 2, 8)), None)
+    assert auto.options == (("none", 0), ("ngram", 2), ("ngram", 8), ("medusa", 2)) and named == {}
+    tree = SpecConfig(method="medusa", tree="small")
+    auto, named = loadbench._with_medusa(eng, ControllerConfig(ks=(0, 4)), tree)
+    assert auto.options[-2:] == (("medusa", 4), ("medusa-tree", tree.k)) and named["medusa-tree"] == tree
