@@ -313,26 +313,27 @@ class Scheduler:
     def calibrate(self, steps: int = 4, repeats: int = 3) -> CostModel:
         """Seconds per target step of every option, at this batch's shape, on this machine.
 
-        Times chunks of the compiled loops on a batch of placeholder rows that never stop; each
-        option gets a fresh batch (its rows must not fill the cache) and one warm-up chunk.
+        Times chunks of the compiled loops on batches of placeholder rows that never stop. Options
+        take turns (repeat 1 of each, then repeat 2, ...) so that drift on a busy machine spreads
+        over all of them; each turn starts from a fresh batch (the empty-batch program, cheap) and
+        a one-step warm-up, and the median per option is kept.
         """
-        seconds = {}
         big = jnp.full((self.b,), self.cache_length, jnp.int32)
         stop = jnp.full((self.b, MAX_STOP_IDS), -1, jnp.int32)
-        for o in self.options:
-            k1 = o[1] + 1
-            n = max(1, min(steps, (self.cache_length - 2) // (k1 * (repeats + 1)) - 1))
-            st, ps = self._programs["empty"](self.engine.params, self._pparams, big, stop)
-            ps = dict(zip(self.specs, ps))
-            ts = []
-            for i in range(repeats + 1):
+        ts: dict[Option, list[float]] = {o: [] for o in self.options}
+        for _ in range(repeats):
+            for o in self.options:
+                w = self.specs[o].window if o in self.specs else 1
+                n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
+                st, ps = self._programs["empty"](self.engine.params, self._pparams, big, stop)
+                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 1)
                 t0 = time.perf_counter()
-                st, ps, fwd = self._run_loop(o, st, ps, 1 if i == 0 else n)
-                if i and fwd:
-                    ts.append((time.perf_counter() - t0) / fwd)
-            seconds[o] = statistics.median(ts) if ts else float("inf")
-            del st, ps
-        return CostModel(seconds, batch=self.b)
+                st, ps, fwd = self._run_loop(o, st, ps, n)
+                if fwd:
+                    ts[o].append((time.perf_counter() - t0) / fwd)
+                del st, ps
+        return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
+                         batch=self.b)
 
     def _run_loop(self, o: Option, state, pstates, n: int):
         """Runs `n` steps of option `o`; returns the states and the steps actually run."""
