@@ -135,7 +135,8 @@ def cmd_train_heads(args) -> int:
                          weight_decay=args.weight_decay, head_decay=args.head_decay,
                          eval_every=args.eval_every, save_every=args.save_every, keep=args.keep,
                          seed=args.seed)
-    heads = dict(num_heads=args.num_heads, num_layers=args.num_layers, own_projection=args.own_projection)
+    heads = dict(num_heads=args.num_heads, num_layers=args.num_layers, own_projection=args.own_projection,
+                 token_input=args.token_input)
     HeadsConfig(dim=1, vocab_size=1, **heads)
     if not 0 < args.eval_conversations < args.conversations:
         raise ValueError(f"--eval-conversations={args.eval_conversations}: must be >= 1 and less than "
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
+    t.add_argument("--token-input", action="store_true",
+                   help="feed the heads the next token's embedding too (EAGLE/Hydra-style input)")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=256, help="token positions per step")
     t.add_argument("--lr", type=float, default=1e-3)

@@ -277,7 +277,7 @@ class Engine:
         else:
             ids = None
         proposer = MedusaProposer(k=spec.k, graphdef=graphdef, tied=tied, tree=tree, typical=spec.typical)
-        return proposer, (params, weight, ids)
+        return proposer, (params, weight, ids, self.model.embed[...])
 
     # ---- input handling ------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:

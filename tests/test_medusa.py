@@ -23,15 +23,17 @@ M = 17
 REF_NEW = 32
 
 
-def random_heads(model, seed=0, scale=0.5, num_heads=4, own_projection=False):
+def random_heads(model, seed=0, scale=0.5, num_heads=4, own_projection=False, token_input=False):
     """Heads with random (not zero) blocks, so they propose varied, mostly wrong tokens."""
     heads = MedusaHeads(HeadsConfig.for_model(model.config, num_heads=num_heads,
-                                              own_projection=own_projection),
+                                              own_projection=own_projection, token_input=token_input),
                         base=model, rngs=nnx.Rngs(seed))
-    k1, k2 = jax.random.split(jax.random.key(seed))
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     d = model.config.dim
     heads.w[...] = jax.random.normal(k1, heads.w.shape) * scale * d**-0.5
     heads.b[...] = jax.random.normal(k2, heads.b.shape) * scale
+    if token_input:
+        heads.u[...] = jax.random.normal(k3, heads.u.shape) * scale * d**-0.5
     return heads
 
 
@@ -250,3 +252,20 @@ def test_heads_carry_their_tuned_tree(tiny_model, ref):
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert res[0].extra["k"] == 3
+
+
+def test_token_input_heads(tiny_model, ref, key):
+    """Heads that also read the pending token: zero-init equals the base head; greedy identity."""
+    cfg = tiny_model.config
+    zero = MedusaHeads(HeadsConfig.for_model(cfg, token_input=True), rngs=nnx.Rngs(0))
+    h = jax.random.normal(key, (3, cfg.dim))
+    toks = jnp.asarray([1, 2, 3])
+    np.testing.assert_array_equal(zero(h, tiny_model, toks), jnp.stack([tiny_model.logits(h)] * 4, 1))
+    with pytest.raises(ValueError, match="token_input"):
+        zero.features(h)
+    heads = random_heads(tiny_model, seed=5, token_input=True)
+    assert not np.allclose(heads(h, tiny_model, toks), heads(h, tiny_model, toks + 1))  # it reads them
+    e = Engine(tiny_model, heads=heads)
+    for spec in (SpecConfig(method="medusa", k=4), SpecConfig(method="medusa", tree="small")):
+        res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
+        assert [r.tokens for r in res] == [t[:M] for t in ref]

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from specjax.models.llama import Llama
 
@@ -34,6 +34,9 @@ class HeadsConfig:
       vocab_size: the target's vocabulary V.
       own_projection: give each head its own [D, V] projection instead of sharing the frozen
         base LM head (M * D * V more parameters).
+      token_input: also feed each head the embedding of the token at t + 1 (known when the
+        heads run: it is the token the base LM head just chose), through a zero-initialised
+        [D, D] map per head, as EAGLE and Hydra do. Plain Medusa heads see h_t only.
     """
 
     num_heads: int = 4
@@ -41,6 +44,7 @@ class HeadsConfig:
     dim: int
     vocab_size: int
     own_projection: bool = False
+    token_input: bool = False
 
     def __post_init__(self):
         for f in ("num_heads", "num_layers", "dim", "vocab_size"):
@@ -66,15 +70,25 @@ class MedusaHeads(nnx.Module):
         m, l, d = config.num_heads, config.num_layers, config.dim
         self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32))
         self.b = nnx.Param(jnp.zeros((m, l, d), jnp.float32))
+        if config.token_input:
+            self.u = nnx.Param(jnp.zeros((m, d, d), jnp.float32))
         if config.own_projection:
             if base is None:
                 raise ValueError("own_projection heads are initialised from the base LM head: pass base=")
             w_DV = base_head(base).astype(jnp.float32)
             self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy())
 
-    def features(self, hidden: Float[Array, "... D"]) -> Float[Array, "... M D"]:
-        """The heads' residual blocks; what each head feeds to its vocabulary projection."""
+    def features(self, hidden: Float[Array, "... D"],
+                 token_embed: Float[Array, "... D"] | None = None) -> Float[Array, "... M D"]:
+        """The heads' residual blocks; what each head feeds to its vocabulary projection.
+
+        `token_embed` (the embedding of the token at t + 1) is required iff `config.token_input`.
+        """
         x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (self.config.num_heads, hidden.shape[-1]))
+        if self.config.token_input:
+            if token_embed is None:
+                raise ValueError("these heads take the next token as input (token_input=True): pass it")
+            x = x + jnp.einsum("...D,MDE->...ME", token_embed.astype(x.dtype), self.u[...].astype(x.dtype))
         w = self.w[...].astype(hidden.dtype)
         b = self.b[...].astype(hidden.dtype)
         lead = (1,) * (x.ndim - 2)
@@ -83,8 +97,13 @@ class MedusaHeads(nnx.Module):
             x = x + jax.nn.silu(y)
         return x
 
-    def __call__(self, hidden: Float[Array, "... D"], base: Llama) -> Float[Array, "... M V"]:
-        f = self.features(hidden)
+    def __call__(self, hidden: Float[Array, "... D"], base: Llama,
+                 tokens: Int[Array, "..."] | None = None) -> Float[Array, "... M V"]:
+        """Logits of every head; `tokens` (the token at t + 1) only for `token_input` heads."""
+        emb = None
+        if self.config.token_input and tokens is not None:
+            emb = jnp.take(base.embed[...], tokens, axis=0)
+        f = self.features(hidden, emb)
         if self.config.own_projection:
             return jnp.einsum("...MD,MDV->...MV", f, self.proj[...].astype(f.dtype))
         return base.logits(f)

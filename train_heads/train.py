@@ -113,9 +113,9 @@ def head_metrics(logits: Float[Array, "B M V"], labels: Int[Array, "B M"], *, to
     return f(nll), f(top1), f(topk_hit), f(jnp.ones_like(nll))
 
 
-def loss_fn(params, graphdef, base, hidden, labels, head_decay: float):
+def loss_fn(params, graphdef, base, hidden, labels, head_decay: float, tokens=None):
     heads = nnx.merge(graphdef, params)
-    logits = heads(hidden.astype(jnp.float32), base)
+    logits = heads(hidden.astype(jnp.float32), base, tokens)
     nll, top1, _, count = head_metrics(logits, labels)
     ce = nll / jnp.maximum(count, 1.0)
     weights = head_decay ** jnp.arange(ce.shape[0], dtype=jnp.float32)
@@ -126,10 +126,11 @@ def make_train_step(graphdef, base_graphdef, tx: optax.GradientTransformation, c
     """The jitted step `(params, opt_state, base_params, hidden, labels) -> (params, opt_state, metrics)`."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, base_params, hidden, labels):
+    def step(params, opt_state, base_params, hidden, labels, tokens):
         base = nnx.merge(base_graphdef, base_params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (ce, acc)), grads = grad_fn(params, graphdef, base, hidden, labels, config.head_decay)
+        (loss, (ce, acc)), grads = grad_fn(params, graphdef, base, hidden, labels, config.head_decay,
+                                           tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, dict(loss=loss, ce=ce, acc=acc)
 
@@ -141,7 +142,8 @@ def make_eval_step(graphdef, base_graphdef):
     def step(params, base_params, hidden, labels, next_tokens):
         base = nnx.merge(base_graphdef, base_params)
         hidden = hidden.astype(jnp.float32)
-        sums = head_metrics(nnx.merge(graphdef, params)(hidden, base), labels, topk=5)
+        sums = head_metrics(nnx.merge(graphdef, params)(hidden, base, jnp.maximum(next_tokens, 0)),
+                            labels, topk=5)
         base_hit = jnp.sum(jnp.argmax(base.logits(hidden), axis=-1) == next_tokens)
         return sums, base_hit
 
@@ -246,8 +248,9 @@ class Trainer:
             idx = batch_rows(self.rows, c.batch_size, c.seed, self.step)
             hidden = jax.device_put(self.data.hidden[idx], self.rows_sharding)
             labels = jax.device_put(self.labels[idx], self.rows_sharding)
+            tokens = jax.device_put(self.data.tokens[idx], self.rows_sharding)
             self.params, self.opt_state, m = self.train_step(
-                self.params, self.opt_state, self.base_params, hidden, labels)
+                self.params, self.opt_state, self.base_params, hidden, labels, tokens)
             self.step += 1
             if self.step % c.log_every == 0 or self.step == end:
                 m = jax.device_get(m)

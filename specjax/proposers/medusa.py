@@ -21,17 +21,17 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from specjax.config import Tree
-from specjax.state import DecodeState
+from specjax.state import DecodeState, last_tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MedusaProposer:
     """Static side of the Medusa proposer.
 
-    `params` = (heads params, LM head weight, token ids): the weight is the base LM head
+    `params` = (heads params, LM head weight, token ids, embedding): the weight is the base LM head
     (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset of frequent tokens
     (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for the full
-    vocabulary). Projecting onto the few thousand tokens that make up nearly all generated text
+    vocabulary); the embedding feeds `token_input` heads. Projecting onto the few thousand tokens that make up nearly all generated text
     cuts the heads' cost several-fold; a draft outside the subset is simply never proposed,
     which verification tolerates (drafts may be anything, acceptance stays exact).
 
@@ -52,18 +52,21 @@ class MedusaProposer:
     def init(self, params, state: DecodeState, prompts, hidden: Float[Array, "B D"]):
         return hidden
 
-    def head_logits(self, params, hidden: Float[Array, "B D"]) -> Float[Array, "B M V"]:
-        """Logits of the first k heads at each row's hidden state."""
-        heads_params, w, _ = params
+    def head_logits(self, params, hidden: Float[Array, "B D"],
+                    tokens: Int[Array, "B"]) -> Float[Array, "B M V"]:
+        """Logits of the first k heads at each row's hidden state (`tokens`: the pending token,
+        read by heads trained with `token_input`)."""
+        heads_params, w, _, embed = params
         heads = nnx.merge(self.graphdef, heads_params)
-        f = heads.features(hidden)[:, : self.k]  # project only the heads this proposer uses
+        emb = jnp.take(embed, tokens, axis=0) if heads.config.token_input else None
+        f = heads.features(hidden, emb)[:, : self.k]  # project only the heads this proposer uses
         if heads.config.own_projection:
             return jnp.einsum("BMD,MDV->BMV", f, heads.proj[...][: self.k].astype(f.dtype))
         w = w.astype(f.dtype)
         return jnp.einsum("BMD,VD->BMV", f, w) if self.tied else jnp.einsum("BMD,DV->BMV", f, w)
 
     def propose(self, params, hidden, state: DecodeState, sampling_config, keys):
-        logits = self.head_logits(params, hidden)
+        logits = self.head_logits(params, hidden, last_tokens(state))
         ranks = 1 if self.tree is None else 1 + max(p[-1] for p in self.tree)
         _, top = jax.lax.top_k(logits, ranks)  # [B, M, R]
         if params[2] is not None:
