@@ -28,8 +28,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     if many:
         p.add_argument("--methods", default="none",
-                       help="comma-separated: none,ngram,draft,medusa (none is always measured as "
-                            "baseline)")
+                       help="comma-separated: none,ngram,draft,medusa,auto (none is always measured "
+                            "as baseline; auto lets the controller pick K or plain per chunk)")
     else:
         p.add_argument("--method", default="none", choices=["none", "ngram", "draft", "medusa"],
                        help="speculation method (none = plain decoding)")
@@ -41,7 +41,8 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
                    help="Medusa heads directory for --method medusa (default: the heads shipped "
                         "for the model)")
     p.add_argument("--tree", default=None,
-                   help="Medusa candidate tree: a name (chain4, small, medium) or paths as JSON, "
+                   help="Medusa candidate tree: a name (chain4, small, medium; heads = the tree "
+                        "tuned with the heads) or paths as JSON, "
                         "e.g. '[[0],[1],[0,0]]'; default: a chain of --k heads")
 
 

@@ -460,7 +460,11 @@ class Scheduler:
         """Bytes of what this scheduler keeps on the device: weights, draft/heads, caches."""
         nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
                                   if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
-        extra = {id(x): x for pp in self._pparams for x in jax.tree.leaves(pp)}
+        shared = {id(x) for x in jax.tree.leaves(self.engine.params)}
+        shared |= {id(self.engine.model.embed[...])}  # Medusa's shared LM head is the target's
+        if not self.engine.config.tie_embeddings:
+            shared |= {id(self.engine.model.lm_head[...])}
+        extra = {id(x): x for pp in self._pparams for x in jax.tree.leaves(pp) if id(x) not in shared}
         return dict(target_weight_bytes=nbytes(self.engine.params),
                     draft_weight_bytes=nbytes(list(extra.values())),
                     cache_bytes=nbytes(self.state) + nbytes(self.pstates))
