@@ -124,6 +124,19 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def cmd_tune_heads(args) -> int:
+    import pathlib
+
+    from specjax.train_heads import tune
+
+    if not (pathlib.Path(args.heads) / "manifest.json").is_file():
+        raise ValueError(f"--heads {args.heads}: no manifest.json there; give a train-heads output directory")
+    if args.vocab_size < 1 or not 1 <= args.max_nodes <= 64:
+        raise ValueError("--vocab-size must be >= 1 and --max-nodes in [1, 64]")
+    tune.tune(args.heads, args.model, vocab_size=args.vocab_size, max_nodes=args.max_nodes)
+    return 0
+
+
 def cmd_train_heads(args) -> int:
     """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
     import pathlib
@@ -219,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gen-batch-size", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train_heads)
+
+    u = sub.add_parser("tune-heads", help="choose trained heads' token subset and candidate tree "
+                                          "from held-out accuracy and costs measured on this machine")
+    u.add_argument("--heads", required=True, help="heads directory (from train-heads)")
+    u.add_argument("--model", default="smollm2-135m")
+    u.add_argument("--vocab-size", type=int, default=8192, help="tokens the heads may propose")
+    u.add_argument("--max-nodes", type=int, default=32, help="largest tree considered")
+    u.set_defaults(func=cmd_tune_heads)
     return parser
 
 

@@ -104,7 +104,8 @@ def tune(heads_dir: str | pathlib.Path, model: str = "smollm2-135m", *, vocab_si
     rows, _ = data.load(data.default_dir(engine.name, engine.weights_id, max_new_tokens=man["max_new_tokens"],
                                          max_prompt_tokens=man["max_prompt_tokens"]))
     split = man["conversations"]
-    train, held = rows.conversations(0, split), rows.conversations(split, rows.num_conversations)
+    held_end = min(split + man["eval_conversations"], rows.num_conversations)
+    train, held = rows.conversations(0, split), rows.conversations(split, held_end)
     graphdef, params = engine.heads
     heads = nnx.merge(graphdef, params)
     vocab = frequent_tokens(train.tokens, vocab_size)
