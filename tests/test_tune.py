@@ -32,3 +32,10 @@ def test_rank_accuracy_matches_a_direct_count(tiny_model):
         ok = labels[:, m] >= 0
         top1 = logits[ok, m].argmax(-1) == labels[ok, m]
         np.testing.assert_allclose(acc[m, 0], top1.mean())
+
+
+def test_tune_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):
+    from specjax import cli
+
+    assert cli.main(["tune-heads", "--heads", str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
