@@ -268,8 +268,9 @@ class Engine:
         tree = spec.tree if spec.tree is not None else (chain(spec.k) if spec.typical else None)
         if tree is not None:
             ranks = 1 + max(p[-1] for p in tree)
-            if ranks > self.config.vocab_size:
-                raise ValueError(f"tree uses rank {ranks - 1}, beyond the vocabulary of {self.config.vocab_size}")
+            limit = self.config.vocab_size if self.heads_vocab is None else len(self.heads_vocab)
+            if ranks > limit:
+                raise ValueError(f"tree uses rank {ranks - 1}, beyond the {limit} tokens the heads can propose")
         tied = self.config.tie_embeddings
         weight, ids = self.model.embed[...] if tied else self.model.lm_head[...], self.heads_vocab
         if ids is not None and not self.heads_config.own_projection:
