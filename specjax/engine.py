@@ -320,14 +320,15 @@ class Engine:
 
     # ---- compile cache -------------------------------------------------------------------
     def _program(self, kind: str, fn, statics: dict, *args):
+        """The compiled program and the seconds spent compiling it now (0 when cached)."""
         key = (kind, tuple(sorted(statics.items())),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
-        if key not in self._compiled:
-            t0 = time.perf_counter()
-            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **statics).compile()
-            self.compile_count += 1
-            self._last_compile_s = time.perf_counter() - t0
-        return self._compiled[key]
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        t0 = time.perf_counter()
+        self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **statics).compile()
+        self.compile_count += 1
+        return self._compiled[key], time.perf_counter() - t0
 
     # ---- generation ----------------------------------------------------------------------
     def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,
@@ -429,10 +430,8 @@ class Batch:
         self.decode_s = 0.0
 
     def _compile(self, kind, fn, statics, *args):
-        before = self.engine.compile_count
-        prog = self.engine._program(kind, fn, statics, *args)
-        if self.engine.compile_count > before:
-            self.compile_s += self.engine._last_compile_s
+        prog, seconds = self.engine._program(kind, fn, statics, *args)
+        self.compile_s += seconds
         return prog
 
     def prefill(self) -> DecodeState:

@@ -285,10 +285,8 @@ class Scheduler:
             self.controller = Controller(self.ccfg, self.cost)
 
     def _compile(self, kind, fn, statics, *args):
-        before = self.engine.compile_count
-        prog = self.engine._program(kind, fn, statics, *args)
-        if self.engine.compile_count > before:
-            self.compile_s += self.engine._last_compile_s
+        prog, seconds = self.engine._program(kind, fn, statics, *args)
+        self.compile_s += seconds
         return prog
 
     def _insert_program(self, p: int):
