@@ -67,6 +67,9 @@ class ControllerConfig:
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more (method, K) options, e.g. ("medusa", 3) when only some K suit a method.
+      replay_ngram: when prompt lookup is an option, the scheduler replays it on the host over
+        the text other options commit (`specjax.proposers.ngram.replay`) and feeds what it would
+        have kept to the estimates, so they need no chunk of prompt lookup to learn it pays.
     """
 
     ks: tuple[int, ...] = (0, 2, 4, 8)
@@ -78,6 +81,7 @@ class ControllerConfig:
     probe_every: int = 16
     probe_bonus: float = 1.0
     extra: tuple[Option, ...] = ()
+    replay_ngram: bool = True
 
     def __post_init__(self):
         if not self.ks or any(int(k) != k or k < 0 for k in self.ks):

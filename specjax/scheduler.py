@@ -42,6 +42,7 @@ from specjax import decode
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
 from specjax.engine import MAX_STOP_IDS, Engine, GenerateOptions, _plain_loop, _spec_loop, round_up_pow2
+from specjax.proposers.ngram import HostLookup, replay
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.speculative import SpecState, SpecStats
 from specjax.state import DecodeState
@@ -204,6 +205,11 @@ class Scheduler:
         self.cost: CostModel | None = None
         self.state: DecodeState | None = None
         self.chunk_log: list[tuple[Option, int, float]] = []  # (option, active rows, seconds)
+        # auto with prompt lookup among its options: replay it over text other options commit
+        lookups = [s for o, s in self.specs.items() if s.method == "ngram"]
+        self._replay_spec = (max(lookups, key=lambda s: s.k)
+                             if self.ccfg is not None and self.ccfg.replay_ngram and lookups else None)
+        self._lookups: dict[int, HostLookup] = {}
         self.compile_s = 0.0
         self._t0 = None
 
@@ -411,6 +417,9 @@ class Scheduler:
         self.slots[slot] = req
         if self.controller is not None:
             self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
+        if self._replay_spec is not None:
+            r = self._replay_spec
+            self._lookups[req.id] = HostLookup(req.ids + req.tokens, k=r.k, min_n=r.ngram_min, max_n=r.ngram_max)
         if done[slot]:
             self._finish(req, t, 0)
 
@@ -437,8 +446,25 @@ class Scheduler:
                 req.counters.add(k=o[1], accepted_per_position=app, steps=steps)
                 if self.controller is not None:
                     self.controller.observe(req.id, o[0], app, steps)
+            self._replay(req, real=o[0] == "ngram")
             if done[i]:
                 self._finish(req, t, int(fwd[i]))
+
+    def _replay(self, req: Request, *, real: bool) -> None:
+        """Prompt lookup's evidence on the text this chunk committed (see `ngram.replay`).
+
+        After a prompt-lookup chunk the real counters were observed; the replay only catches up.
+        """
+        lookup = self._lookups.get(req.id)
+        if lookup is None:
+            return
+        committed = req.ids + req.tokens
+        if real:
+            lookup.extend(committed[len(lookup.tokens):])
+            return
+        kept, steps = replay(lookup, committed)
+        if steps:
+            self.controller.observe(req.id, "ngram", kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = set(self.engine._stop_ids(self.opts))
@@ -452,6 +478,7 @@ class Scheduler:
         self.slots[req.slot] = None
         if self.controller is not None:
             self.controller.remove_row(req.id)
+        self._lookups.pop(req.id, None)
 
     # ---- reporting ---------------------------------------------------------------------------
     def memory(self) -> dict:

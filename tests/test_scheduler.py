@@ -123,6 +123,23 @@ def test_compiles_once_per_k(eng):
     assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("ngram", 8)}
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_prompt_lookup_is_replayed_over_plain_chunks(eng, alone, replay):
+    """A pessimistic prior keeps every chunk plain; the replay still teaches the controller what
+    prompt lookup would have kept on that text (the repeating prompts give it matches)."""
+    cfg = ControllerConfig(ks=(0, 2, 4), prior_alpha=0.0, prior_weight=1e6, probe_every=10**6,
+                           replay_ngram=replay)
+    s = serve(eng, "auto", controller=cfg)
+    out = s.run()
+    assert {o for o, _, _ in s.chunk_log} == {("none", 0)}
+    assert [r.tokens for r in out] == alone
+    a = s.controller.tasks.get(("a", "ngram"))
+    if replay:
+        assert a.tried[0] > 0 and a.kept[0] > 0 and a.tried[1] == a.kept[0]
+    else:
+        assert a is None
+
+
 def test_opted_out_request_never_speculates(eng, alone):
     s = Scheduler(eng, slots=2, spec="auto", opts=GenerateOptions(max_new_tokens=M), chunk=3,
                   max_prompt_tokens=40)

@@ -19,7 +19,7 @@ from specjax.engine import Batch, Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
-from specjax.proposers import DraftModelProposer, NgramProposer
+from specjax.proposers import DraftModelProposer, NgramProposer, ngram
 from specjax.proposers.base import Stateless
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.state import DecodeState, commit
@@ -421,3 +421,43 @@ def test_real_model_prompt_lookup_equals_plain(smollm2):
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     _check_telemetry(spec, 4)
     assert sum(r.extra["accepted"] for r in spec) > 0
+
+
+# ---- prompt lookup replayed on the host (the adaptive controller's free evidence) ------------------
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 3), (2, 2), (1, 1)])
+def test_host_lookup_equals_device_lookup(min_n, max_n):
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    rows = [rng.integers(0, v, size=n).tolist() for v in (3, 5, 40) for n in (1, 2, 3, 7, 20, 31)]
+    tokens, lengths = _buffer(rows, width=32)
+    want = _lookup(NgramProposer(k=5, min_n=min_n, max_n=max_n), tokens, lengths).tolist()
+    for row, w in zip(rows, want):
+        grown = ngram.HostLookup(row[:1], k=5, min_n=min_n, max_n=max_n)  # as the scheduler grows it
+        grown.extend(row[1:])
+        assert grown.propose() == w == ngram.HostLookup(row, k=5, min_n=min_n, max_n=max_n).propose(), row
+
+
+def test_replay_counts_what_prompt_lookup_keeps(eng):
+    """Greedy: replaying prompt lookup over the committed text gives the real run's counters, but for
+    the last step (cut short by max_new_tokens); replayed in pieces, as chunks cut it, the same."""
+    k, m = 4, 31
+    res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig(method="ngram", k=k))
+    total = 0
+    for prompt, r in zip(PROMPTS, res):
+        text = prompt + r.tokens
+        kept, steps = ngram.replay(ngram.HostLookup(text[:len(prompt) + 1], k=k), text)
+        real, real_steps = r.extra["accepted_per_position"], r.target_forwards
+        gap = [a - b for a, b in zip(real, kept)]
+        if steps == real_steps:
+            assert gap == [0] * k
+        else:  # one step more in the real run: its kept drafts
+            assert steps == real_steps - 1 and set(gap) <= {0, 1} and gap == sorted(gap, reverse=True)
+        lookup, pieces = ngram.HostLookup(text[:len(prompt) + 1], k=k), []
+        for end in range(len(prompt) + 3, len(text) + 1, 5):
+            pieces.append(ngram.replay(lookup, text[:end]))
+        pieces.append(ngram.replay(lookup, text))
+        assert [sum(p[0][j] for p in pieces) for j in range(k)] == kept
+        assert sum(p[1] for p in pieces) == steps
+        total += sum(kept)
+    assert total > 0  # the replay did find drafts that would be kept
