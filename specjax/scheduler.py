@@ -13,7 +13,9 @@ shared by every option, and only the proposer state differs; prompt lookup keeps
 switching free. Each speculative option keeps its own proposer state (leaves with the batch on axis
 0, initialised per row at insertion); chunks of other options leave it stale (a Medusa hidden state
 for one step, a draft model's cache for good), which costs acceptance, never correctness, so `auto`
-mixes only stateless or self-correcting proposers by default. Every program (empty batch, insert per bucket, release, one loop per option)
+mixes only stateless or self-correcting proposers by default. When prompt lookup is one of auto's
+options, each chunk's new text is also replayed through it on the host (`ngram.replay`), so the
+controller learns what prompt lookup would have kept whatever option ran. Every program (empty batch, insert per bucket, release, one loop per option)
 compiles once through `Engine._program`, so `Engine.compile_count` tracks them.
 
 Example:
