@@ -27,11 +27,12 @@ import numpy as np
 import optax
 
 from specjax.models import loader
+from specjax.models.llama import rope
 from specjax.train_heads import data as hdata
 from specjax.train_heads.checkpoint import shipped_heads_dir
 
 ROWS = 128  # rows per conversation (the data's max_new_tokens)
-HEADS, HEAD_DIM, FFN = 9, 64, 1536
+HEADS, HEAD_DIM, FFN, THETA = 9, 64, 1536, 100000.0
 
 
 def pack(td: hdata.TokenData, lo: int, hi: int):
@@ -62,14 +63,6 @@ def _rms(x, g):
     return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
 
 
-def _rope(x_BTNH, positions_T):
-    half = HEAD_DIM // 2
-    angle_TH = positions_T[:, None] / (100000.0 ** (jnp.arange(half) / half))[None]
-    cos, sin = jnp.cos(angle_TH)[None, :, None], jnp.sin(angle_TH)[None, :, None]
-    a, b = x_BTNH[..., :half], x_BTNH[..., half:]
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
-
-
 def features(kind: str, p, h_BTD, e_BTD):
     """What the head feeds to the LM head at each row: its guess of h_(t+1)."""
     if kind == "mlp":
@@ -78,9 +71,9 @@ def features(kind: str, p, h_BTD, e_BTD):
     b, t, _ = h_BTD.shape
     z = jnp.concatenate([h_BTD, e_BTD], -1) @ p["fc"]
     a = _rms(z, p["g1"])
-    pos = jnp.arange(t, dtype=jnp.float32)
-    q = _rope((a @ p["wq"]).reshape(b, t, HEADS, HEAD_DIM), pos)
-    k = _rope((a @ p["wk"]).reshape(b, t, HEADS, HEAD_DIM), pos)
+    pos_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+    q = rope((a @ p["wq"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, THETA)
+    k = rope((a @ p["wk"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, THETA)
     v = (a @ p["wv"]).reshape(b, t, HEADS, HEAD_DIM)
     s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q, k) / HEAD_DIM ** 0.5
     s_BNTS = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s_BNTS, -1e9)
@@ -98,6 +91,8 @@ def main():
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16, help="conversations per step")
     args = ap.parse_args()
+    if args.steps <= 30 or not 0 < args.fraction <= 1:
+        ap.error("--steps must exceed the 30 warmup steps and --fraction lie in (0, 1]")
 
     embed = np.asarray(loader.load("smollm2-135m").model.embed[...], np.float32)
     subset = np.asarray(json.loads((shipped_heads_dir("smollm2-135m") / "vocab.json").read_text()), np.int32)

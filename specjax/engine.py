@@ -265,18 +265,17 @@ class Engine:
         m = self.heads_config.num_heads
         if spec.k > m:
             raise ValueError(f"medusa k={spec.k} (or tree depth) exceeds the {m} trained heads: use k <= {m}")
+        ids = None if self.heads_config.own_projection else self.heads_vocab  # own projections: all tokens
         tree = spec.tree if spec.tree is not None else (chain(spec.k) if spec.typical else None)
         if tree is not None:
             ranks = 1 + max(p[-1] for p in tree)
-            limit = self.config.vocab_size if self.heads_vocab is None else len(self.heads_vocab)
+            limit = self.config.vocab_size if ids is None else len(ids)
             if ranks > limit:
                 raise ValueError(f"tree uses rank {ranks - 1}, beyond the {limit} tokens the heads can propose")
         tied = self.config.tie_embeddings
-        weight, ids = self.model.embed[...] if tied else self.model.lm_head[...], self.heads_vocab
-        if ids is not None and not self.heads_config.own_projection:
+        weight = self.model.embed[...] if tied else self.model.lm_head[...]
+        if ids is not None:
             weight = weight[ids] if tied else weight[:, ids]
-        else:
-            ids = None
         proposer = MedusaProposer(k=spec.k, graphdef=graphdef, tied=tied, tree=tree, typical=spec.typical)
         return proposer, (params, weight, ids, self.model.embed[...])
 

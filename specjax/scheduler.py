@@ -15,8 +15,9 @@ switching free. Each speculative option keeps its own proposer state (leaves wit
 for one step, a draft model's cache for good), which costs acceptance, never correctness, so `auto`
 mixes only stateless or self-correcting proposers by default. When prompt lookup is one of auto's
 options, each chunk's new text is also replayed through it on the host (`ngram.replay`), so the
-controller learns what prompt lookup would have kept whatever option ran. Every program (empty batch, insert per bucket, release, one loop per option)
-compiles once through `Engine._program`, so `Engine.compile_count` tracks them.
+controller learns what prompt lookup would have kept whatever option ran. Every program (empty
+batch, insert per bucket, release, one loop per option) compiles once through `Engine._program`, so
+`Engine.compile_count` tracks them.
 
 Example:
   >>> sched = Scheduler(eng, slots=4, spec="auto", opts=GenerateOptions(max_new_tokens=64))

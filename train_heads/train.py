@@ -123,7 +123,8 @@ def loss_fn(params, graphdef, base, hidden, labels, head_decay: float, tokens=No
 
 
 def make_train_step(graphdef, base_graphdef, tx: optax.GradientTransformation, config: TrainConfig):
-    """The jitted step `(params, opt_state, base_params, hidden, labels) -> (params, opt_state, metrics)`."""
+    """The jitted step `(params, opt_state, base_params, hidden, labels, tokens) -> (params, opt_state,
+    metrics)`; `tokens` (the token at t + 1 of each row) is read by `token_input` heads only."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, base_params, hidden, labels, tokens):

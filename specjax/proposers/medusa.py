@@ -31,8 +31,8 @@ class MedusaProposer:
     `params` = (heads params, LM head weight, token ids, embedding): the weight is the base LM head
     (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset of frequent tokens
     (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for the full
-    vocabulary); the embedding feeds `token_input` heads. Projecting onto the few thousand tokens that make up nearly all generated text
-    cuts the heads' cost several-fold; a draft outside the subset is simply never proposed,
+    vocabulary); the embedding feeds `token_input` heads. Projecting onto the few thousand tokens
+    that make up nearly all generated text cuts the heads' cost several-fold; a draft outside the subset is simply never proposed,
     which verification tolerates (drafts may be anything, acceptance stays exact).
 
     Attributes:
