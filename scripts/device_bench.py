@@ -29,5 +29,5 @@ for dtype in sys.argv[1:] or ("float32", "bfloat16"):
                 r = eng.generate([prompt] * batch, max_new_tokens=128, stop_ids=(), spec=spec)
             per_fwd = (r[0].wall_s - r[0].ttft_s) / max(1, r[0].target_forwards) * 1e3
             print(f"{dtype} {spec.method} batch {batch}: {r[0].tok_per_s * batch:.0f} tok/s total, "
-                  f"ttft {r[0].ttft_s * 1e3:.1f} ms, {per_fwd:.2f} ms/forward, tau {r[0].extra['tau']:.2f}, "
+                  f"ttft {r[0].ttft_s * 1e3:.1f} ms, {per_fwd:.2f} ms/forward, tau {r[0].tau:.2f}, "
                   f"compile {r[0].compile_s:.1f} s", flush=True)

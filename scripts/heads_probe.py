@@ -29,7 +29,7 @@ import optax
 from specjax.models import loader
 from specjax.models.llama import rope
 from specjax.train_heads import data as hdata
-from specjax.train_heads.checkpoint import shipped_heads_dir
+from specjax.models.heads_io import shipped_heads_dir
 
 ROWS = 128  # rows per conversation (the data's max_new_tokens)
 HEADS, HEAD_DIM, FFN, THETA = 9, 64, 1536, 100000.0

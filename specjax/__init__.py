@@ -1,1 +1,22 @@
-"""specjax: speculative decoding in JAX."""
+"""specjax: speculative decoding in JAX.
+
+The functional core is `Decoder` (static: proposer, acceptance rule, sampling method, cache length)
+with pure `prefill`, `decode`, `insert` and `step`; `Inputs` holds the per-row arrays; `generate`
+jits and runs them. `Engine` and `Scheduler` are hosts over the same primitives.
+"""
+
+from specjax import acceptance
+from specjax.acceptance import Greedy, SpecInfer, Speculative, TypicalAcceptance
+from specjax.config import SpecConfig
+from specjax.decoder import Decoder, Inputs, State, Stats, cache_length, generate, new_tokens
+from specjax.engine import Engine, GenerateOptions, Result
+from specjax.proposers import DraftModelProposer, MedusaParams, MedusaProposer, NgramProposer
+from specjax.scheduler import Scheduler
+from specjax.telemetry import SpecCounters
+
+__all__ = [
+    "Decoder", "Inputs", "State", "Stats", "cache_length", "generate", "new_tokens",
+    "acceptance", "Greedy", "SpecInfer", "Speculative", "TypicalAcceptance",
+    "SpecConfig", "Engine", "GenerateOptions", "Result", "Scheduler", "SpecCounters",
+    "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams",
+]

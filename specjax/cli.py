@@ -71,13 +71,7 @@ def _prompts(args) -> list[Prompt]:
 
 
 def _record(p: Prompt, res) -> dict:
-    return {
-        "id": p.id, "task": p.task, "text": res.text, "tokens": res.tokens,
-        "new_tokens": res.new_tokens, "target_forwards": res.target_forwards,
-        "ttft_s": round(res.ttft_s, 6), "wall_s": round(res.wall_s, 6),
-        "tok_per_s": round(res.tok_per_s, 3), "compile_s": round(res.compile_s, 3),
-        "stop_reason": res.stop_reason, **res.extra,
-    }
+    return {"id": p.id, "task": p.task, **res.to_dict()}
 
 
 def cmd_generate(args) -> int:
@@ -98,7 +92,7 @@ def cmd_generate(args) -> int:
     b = min(args.batch_size, len(prompts))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
     for i in range(0, len(texts), b):
-        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec)
+        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i)
         if args.json:
             for p, res in zip(prompts[i:i + b], batch.run()):
                 print(json.dumps(_record(p, res), ensure_ascii=False), flush=True)
@@ -110,7 +104,7 @@ def cmd_generate(args) -> int:
             res = batch.results()[0]
             sys.stdout.write(dec.flush() + "\n")
             sys.stdout.flush()
-            print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, tau {res.extra['tau']:.2f}, "
+            print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, tau {res.tau:.2f}, "
                   f"ttft {res.ttft_s * 1e3:.0f} ms, compile {res.compile_s:.1f} s]", file=sys.stderr)
         else:
             for p, res in zip(prompts[i:i + b], batch.run()):
@@ -141,7 +135,7 @@ def cmd_train_heads(args) -> int:
     """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
     import pathlib
 
-    from specjax.train_heads.heads import HeadsConfig
+    from specjax.models.heads import HeadsConfig
     from specjax.train_heads.train import TrainConfig, train_heads
 
     # Everything is checked before the model loads or any data is generated.

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
 MAX_TREE_NODES = 64
-METHODS = ("none", "ngram", "draft", "medusa")
 
 Tree = tuple[tuple[int, ...], ...]
 
@@ -58,11 +55,12 @@ class SpecConfig:
       tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
         first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
         (resolved by the Engine). None = a chain of k heads' top-1.
-      typical: medusa only, LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature
-        > 0 instead of the lossless rule. Output no longer follows the target distribution.
+      typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
+        the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
+        distribution.
     """
 
-    method: Literal["none", "ngram", "draft", "medusa"] = "none"
+    method: str = "none"
     k: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
@@ -70,11 +68,14 @@ class SpecConfig:
     typical: tuple[float, float] | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
-        if self.tree is not None or self.typical is not None:
-            if self.method != "medusa":
-                raise ValueError("tree= and typical= apply to method 'medusa' only")
+        from specjax.proposers.registry import FACTORIES  # the one list of methods
+
+        if self.method != "none" and self.method not in FACTORIES:
+            raise ValueError(f"unknown method {self.method!r}: use one of none, {', '.join(FACTORIES)}")
+        if self.tree is not None and self.method != "medusa":
+            raise ValueError("tree= applies to method 'medusa' only")
+        if self.typical is not None and self.method == "none":
+            raise ValueError("typical= is an acceptance rule: give a speculative method")
         if self.tree == HEADS_TREE:
             pass  # the tree tuned for the loaded heads; `Engine.resolve` fills it in
         elif isinstance(self.tree, str):

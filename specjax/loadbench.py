@@ -347,7 +347,7 @@ def _with_medusa(engine, auto: ControllerConfig, medusa: SpecConfig | None):
             continue
         extra.append(("medusa", k))
     tree = medusa if medusa is not None and medusa.tree is not None else None
-    if tree is None and getattr(engine, "heads_tree", None) is not None:
+    if tree is None and engine.heads is not None and engine.heads.tree is not None:
         tree = SpecConfig(method="medusa", tree="heads")
     if tree is not None:
         tree = engine.resolve(tree)

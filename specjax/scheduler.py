@@ -16,7 +16,7 @@ for one step, a draft model's cache for good), which costs acceptance, never cor
 mixes only stateless or self-correcting proposers by default. When prompt lookup is one of auto's
 options, each chunk's new text is also replayed through it on the host (`ngram.replay`), so the
 controller learns what prompt lookup would have kept whatever option ran. Every program (empty
-batch, insert per bucket, release, one loop per option) compiles once through `Engine._program`, so
+batch, insert per bucket, release, one loop per option) compiles once through `Engine.program`, so
 `Engine.compile_count` tracks them.
 
 Example:
@@ -41,58 +41,39 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
-from specjax import decode
+from specjax import decoder as core
+from specjax import telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
-from specjax.engine import MAX_STOP_IDS, Engine, GenerateOptions, _plain_loop, _spec_loop, round_up_pow2
+from specjax.decoder import Decoder, Inputs, State, Stats
+from specjax.engine import Engine, GenerateOptions
 from specjax.proposers.ngram import HostLookup, replay
-from specjax.sampling import SamplingConfig, SamplingParams
-from specjax.speculative import SpecState, SpecStats
-from specjax.state import DecodeState
 from specjax.telemetry import SpecCounters
 
-_STATICS = ("graphdef", "sampling_config", "cache_length", "window", "proposers")
-
-
-def _put(big, small, slot):
-    """Row `slot` of a batch leaf takes row 0 of the same leaf of a batch of one."""
-    return big.at[slot].set(small[0]) if big.ndim else big
+_STATICS = ("graphdef", "base", "decoders")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def _empty(graphdef, params, pparams, max_new: Int[Array, "B"], stop_ids: Int[Array, "B E"], *,
-           sampling_config, cache_length, window, proposers):
-    """A batch of one-token placeholder rows: done at once with max_new 1 (the empty batch), still
-    running with a large max_new and no stop ids (the calibration batch)."""
+def _prefill_rows(graphdef, params, pparams, inputs: Inputs, *, base: Decoder, decoders):
+    """Prefills rows once for every option: the shared decode state and each option's proposer state."""
     model = nnx.merge(graphdef, params)
-    b = max_new.shape[0]
-    prompts = jnp.zeros((b, 1), jnp.int32)
-    keys = jax.random.split(jax.random.key(0), b)
-    state, hidden = decode.prefill(model, sampling_config, prompts, jnp.ones((b,), jnp.int32), max_new,
-                                   SamplingParams.create(b), stop_ids, keys, cache_length, window)
-    return state, tuple(p.init(pp, state, prompts, hidden) for p, pp in zip(proposers, pparams))
+    state, hidden = base.prefill_target(model, inputs)
+    return state, tuple(d.init_proposer(pp, state, inputs, hidden) for d, pp in zip(decoders, pparams))
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state", "pstates"))
-def _insert(graphdef, params, pparams, state: DecodeState, pstates, slot: Int[Array, ""],
-            prompt: Int[Array, "1 P"], prompt_len: Int[Array, "1"], max_new: Int[Array, "1"],
-            sp: SamplingParams, stop_ids: Int[Array, "1 E"], key: Array, *,
-            sampling_config, cache_length, window, proposers):
-    """Prefills one request (batch of one, the batch's cache length) into row `slot`.
+def _insert(graphdef, params, pparams, state, pstates, slot: Int[Array, ""], inputs: Inputs, *,
+            base: Decoder, decoders):
+    """Prefills one request (a batch of one at the batch's cache length) into row `slot`.
 
     The batch's step counter `forwards` is kept; the row's own counters start at zero.
     """
-    model = nnx.merge(graphdef, params)
-    row, hidden = decode.prefill(model, sampling_config, prompt, prompt_len, max_new, sp, stop_ids,
-                                 key, cache_length, window)
-    put = functools.partial(_put, slot=slot)
-    state = jax.tree.map(put, state, row)
-    new = tuple(p.init(pp, row, prompt, hidden) for p, pp in zip(proposers, pparams))
-    return state, tuple(jax.tree.map(put, ps, n) for ps, n in zip(pstates, new))
+    row, new = _prefill_rows(graphdef, params, pparams, inputs, base=base, decoders=decoders)
+    return base.insert(state, row, slot), tuple(base.insert(ps, n, slot) for ps, n in zip(pstates, new))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _release(graphdef, params, state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
+def _release(graphdef, params, state, slot: Int[Array, ""]):
     """Marks row `slot` done (a cancelled request), so the loop stops spending steps on it."""
     return state.replace(done=state.done.at[slot].set(True))
 
@@ -116,6 +97,9 @@ class Request:
     arrival: float | None = None  # None: as soon as a slot is free (a closed-loop client)
     opt_out: bool = False
     seed: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
     status: str = "queued"  # queued | running | finished | cancelled
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -150,7 +134,7 @@ class Request:
     @property
     def tau(self) -> float:
         """Tokens per target forward after the first token."""
-        return (len(self.tokens) - 1) / self.target_forwards if self.target_forwards else 1.0
+        return telemetry.tau(len(self.tokens), self.target_forwards)
 
 
 class Scheduler:
@@ -161,7 +145,9 @@ class Scheduler:
       slots: rows of the batch (the concurrency).
       spec: a fixed `SpecConfig` (plain by default), or "auto" for the adaptive controller.
       controller: the controller's settings for spec="auto" (default `ControllerConfig()`).
-      opts: generation options; max_new_tokens sizes the cache and bounds each request's budget.
+      opts: generation options; max_new_tokens sizes the cache and bounds each request's budget,
+        and its sampling values are each request's defaults. A temperature > 0 compiles the
+        sampled programs (`submit` may then give each request its own temperature, top-k, top-p).
       chunk: target steps per chunk; slots are refilled and K may change between chunks.
       chat: wrap string prompts in the chat template.
       max_prompt_tokens: the longest prompt to accept; default: the longest one submitted before
@@ -184,7 +170,7 @@ class Scheduler:
         opts.validate()
         self.engine, self.b, self.opts, self.chunk, self.chat = engine, int(slots), opts, int(chunk), chat
         self.clock = clock
-        resolve = getattr(engine, "resolve", lambda s: s)
+        resolve = engine.resolve
         if isinstance(spec, str):
             if spec != "auto":
                 raise ValueError(f"spec={spec!r}: give a SpecConfig or 'auto'")
@@ -197,9 +183,9 @@ class Scheduler:
             spec = resolve(spec)
             self.specs = {} if spec.method == "none" else {(spec.method, spec.k): spec}
         self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs else ()) + tuple(self.specs)
-        self.proposers = {o: engine.proposer(s) for o, s in self.specs.items()}  # raises before compiling
-        self.window = max([1] + [s.window for s in self.specs.values()])
-        self.sc = SamplingConfig(method="sample" if opts.temperature > 0 else "greedy")
+        for s in self.specs.values():
+            engine.proposer(s)  # raises before compiling (heads missing, k too large, ...)
+        self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         self.requests: list[Request] = []
         self.queue: list[Request] = []
@@ -219,20 +205,31 @@ class Scheduler:
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], *, task: str | None = None,
                arrival: float | None = None, opt_out: bool = False, max_new_tokens: int | None = None,
-               seed: int | None = None) -> int:
-        """Queues a request; returns its id. Validates it now (nothing compiles here)."""
+               seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> int:
+        """Queues a request; returns its id. Validates it now (nothing compiles here).
+
+        The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
+        lands in. Sampling values default to the scheduler's options.
+        """
         m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
         if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
             raise ValueError(f"max_new_tokens={m}: must be in [1, {self.opts.max_new_tokens}] "
                              "(the scheduler's GenerateOptions.max_new_tokens sizes the cache)")
         if arrival is not None and not arrival >= 0:
             raise ValueError(f"arrival={arrival}: must be >= 0 seconds (or None)")
-        (ids,) = self.engine.check([prompt], self.opts, chat=self.chat)
+        o = self.opts
+        sp = dict(temperature=o.temperature if temperature is None else temperature,
+                  top_k=o.top_k if top_k is None else top_k, top_p=o.top_p if top_p is None else top_p)
+        (ids,) = self.engine.check([prompt], dataclasses.replace(o, **sp), chat=self.chat)
+        if sp["temperature"] > 0 and self.sc.method == "greedy":
+            raise ValueError(f"temperature={sp['temperature']} in a greedy scheduler: create it with "
+                             "GenerateOptions(temperature > 0) to compile the sampled programs")
         if self.state is not None and self.engine.bucket_for(len(ids)) > self.bucket:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
                              f"{self.bucket}; pass max_prompt_tokens= when creating it")
         req = Request(id=len(self.requests), ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
-                      opt_out=opt_out, seed=self.opts.seed if seed is None else seed)
+                      opt_out=opt_out, seed=self.opts.seed if seed is None else seed, **sp)
         self.requests.append(req)
         self.queue.append(req)
         return req.id
@@ -243,7 +240,7 @@ class Scheduler:
         if req.status == "queued":
             self.queue.remove(req)
         elif req.status == "running":
-            self.state = self._programs["release"](self.engine.params, self.state, jnp.int32(req.slot))
+            self.state = self._programs["release"](self.engine.params, self.state, np.int32(req.slot))
             self.slots[req.slot] = None
             if self.controller:
                 self.controller.remove_row(req.id)
@@ -264,58 +261,56 @@ class Scheduler:
             return
         longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
         self.bucket = self.engine.bucket_for(longest)
-        self.cache_length = self.bucket + round_up_pow2(self.opts.max_new_tokens) + self.window
-        spec_opts = tuple(self.specs)
-        self._pparams = tuple(self.proposers[o][1] for o in spec_opts)
-        self._statics = dict(sampling_config=self.sc, cache_length=self.cache_length, window=self.window,
-                             proposers=tuple(self.proposers[o][0] for o in spec_opts))
+        built = {o: self.engine.decoder(s, sampling=self.sc, prompt_bucket=self.bucket,
+                                        max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
+        self.cache_length = max([d.cache_length for d, _ in built.values()] +
+                                [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
+        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length) for o, (d, _) in built.items()}
+        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc)
+        self._pparams = tuple(built[o][1] for o in self.specs)
+        self._pp = dict(zip(self.specs, self._pparams))
+        self._statics = dict(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
         self._programs: dict = {}
-        stop = jnp.full((self.b, MAX_STOP_IDS), -1, jnp.int32)
-        empty_args = (self._pparams, jnp.ones((self.b,), jnp.int32), stop)
-        self._programs["empty"] = self._compile("sched_empty", _empty, self._statics, *empty_args)
-        self.state, pstates = self._programs["empty"](self.engine.params, *empty_args)
-        self.pstates = dict(zip(spec_opts, pstates))
-        self._programs["release"] = self._compile("sched_release", _release, {}, self.state, jnp.int32(0))
+        empty = self._placeholders(max_new=1)
+        self._programs["empty"] = self._compile(_prefill_rows, self._pparams, empty, **self._statics)
+        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
+        self.pstates = dict(zip(self.specs, pstates))
+        self._programs["release"] = self._compile(_release, self.state, np.int32(0))
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self._insert_program(p)
         stop_at = jax.ShapeDtypeStruct((), jnp.int32)
         for o in self.options:
-            if o == PLAIN:
-                self._programs[o] = self._compile("loop", _plain_loop, dict(sampling_config=self.sc),
-                                                  self.state, stop_at)
-            else:
-                prop, pp = self.proposers[o]
-                s = SpecState(decode=self.state, proposer=self.pstates[o], stats=SpecStats.zeros(self.b, o[1]))
-                self._programs[o] = self._compile("loop", _spec_loop,
-                                                  dict(proposer=prop, sampling_config=self.sc), pp, s, stop_at)
+            d = self.decoders[o]
+            s = State(decode=self.state, proposer=self.pstates.get(o), stats=Stats.zeros(self.b, d.depth))
+            self._programs[o] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
         self._lengths = np.asarray(self.state.lengths).copy()
         if self.ccfg is not None:
             self.cost = self.calibrate()
             self.controller = Controller(self.ccfg, self.cost)
 
-    def _compile(self, kind, fn, statics, *args):
-        prog, seconds = self.engine._program(kind, fn, statics, *args)
+    def _placeholders(self, *, max_new: int) -> Inputs:
+        """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
+        max_new and no stop ids (the calibration batch)."""
+        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new)
+
+    def _compile(self, fn, *args, decoder=None, **statics):
+        prog, seconds = self.engine.program(fn, decoder, *args, **statics)
         self.compile_s += seconds
         return prog
 
     def _insert_program(self, p: int):
         if ("insert", p) not in self._programs:
             args = self._insert_args(0, Request(id=-1, ids=[0], max_new_tokens=1), p)
-            self._programs[("insert", p)] = self._compile("sched_insert", _insert, self._statics, *args)
+            self._programs[("insert", p)] = self._compile(_insert, *args, **self._statics)
         return self._programs[("insert", p)]
 
     def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
-        o = self.opts
-        prompt = np.zeros((1, p), np.int32)
-        prompt[0, : len(req.ids)] = req.ids
-        stops = self.engine._stop_ids(o)
-        stop = np.full((1, MAX_STOP_IDS), -1, np.int32)
-        stop[0, : len(stops)] = stops
+        inputs = Inputs.create([req.ids], bucket=p, max_new_tokens=req.max_new_tokens,
+                               temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                               stop_ids=self.engine.stop_ids(self.opts), seed=req.seed,
+                               row_ids=[max(req.id, 0)])
         pstates = tuple(self.pstates[k] for k in self.specs)
-        return (self._pparams, self.state, pstates, jnp.int32(slot), jnp.asarray(prompt),
-                jnp.asarray([len(req.ids)], jnp.int32), jnp.asarray([req.max_new_tokens], jnp.int32),
-                SamplingParams.create(1, o.temperature, o.top_k, o.top_p), jnp.asarray(stop),
-                jax.random.split(jax.random.key(req.seed), 1))
+        return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 
     def calibrate(self, steps: int = 4, repeats: int = 3) -> CostModel:
         """Seconds per target step of every option, at this batch's shape, on this machine.
@@ -325,14 +320,13 @@ class Scheduler:
         over all of them; each turn starts from a fresh batch (the empty-batch program, cheap) and
         a one-step warm-up, and the median per option is kept.
         """
-        big = jnp.full((self.b,), self.cache_length, jnp.int32)
-        stop = jnp.full((self.b, MAX_STOP_IDS), -1, jnp.int32)
+        busy = self._placeholders(max_new=self.cache_length)
         ts: dict[Option, list[float]] = {o: [] for o in self.options}
         for _ in range(repeats):
             for o in self.options:
-                w = self.specs[o].window if o in self.specs else 1
+                w = self.decoders[o].window
                 n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
-                st, ps = self._programs["empty"](self.engine.params, self._pparams, big, stop)
+                st, ps = self._programs["empty"](self.engine.params, self._pparams, busy)
                 st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 1)
                 t0 = time.perf_counter()
                 st, ps, fwd = self._run_loop(o, st, ps, n)
@@ -345,18 +339,12 @@ class Scheduler:
     def _run_loop(self, o: Option, state, pstates, n: int):
         """Runs `n` steps of option `o`; returns the states and the steps actually run."""
         start = int(state.forwards)
-        stop_at = jnp.asarray(start + n, jnp.int32)
-        if o == PLAIN:
-            state = self._programs[o](self.engine.params, state, stop_at)
-            stats = None
-        else:
-            s = SpecState(decode=state, proposer=pstates[o], stats=SpecStats.zeros(self.b, o[1]))
-            s = self._programs[o](self.engine.params, self.proposers[o][1], s, stop_at)
-            state, stats = s.decode, s.stats
+        s = State(decode=state, proposer=pstates.get(o), stats=Stats.zeros(self.b, self.decoders[o].depth))
+        s = jax.block_until_ready(self._programs[o](self.engine.params, self._pp.get(o), s, np.int32(start + n)))
+        if o != PLAIN:
             pstates = {**pstates, o: s.proposer}
-        jax.block_until_ready(state)
-        self._last_stats = stats
-        return state, pstates, int(state.forwards) - start
+        self._last_stats = s.stats
+        return s.decode, pstates, int(s.decode.forwards) - start
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
@@ -433,7 +421,7 @@ class Scheduler:
         self.chunk_log.append((o, len(active), self.clock() - t0))
         s = self.state
         tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
-        stats = None if self._last_stats is None else jax.tree.map(np.asarray, self._last_stats)
+        stats = jax.tree.map(np.asarray, self._last_stats)
         label = o[0] if o == PLAIN else f"{o[0]}:{o[1]}"
         for req in active:
             i = req.slot
@@ -443,12 +431,11 @@ class Scheduler:
                 req.tokens += new
                 req.emissions.append((t, len(new)))
             req.chunks[label] = req.chunks.get(label, 0) + 1
-            if stats is not None:
-                steps = int(stats.accept_hist[i].sum())
-                app = stats.accepted_per_position[i].tolist()
-                req.counters.add(k=o[1], accepted_per_position=app, steps=steps)
+            chunk = SpecCounters.from_stats(stats, i)
+            if chunk.num_drafts:
+                req.counters.merge(chunk)
                 if self.controller is not None:
-                    self.controller.observe(req.id, o[0], app, steps)
+                    self.controller.observe(req.id, o[0], chunk.accepted_tokens_per_pos, chunk.num_drafts)
             self._replay(req, real=o[0] == "ngram")
             if done[i]:
                 self._finish(req, t, int(fwd[i]))
@@ -470,13 +457,7 @@ class Scheduler:
             self.controller.observe(req.id, "ngram", kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
-        stops = set(self.engine._stop_ids(self.opts))
-        if req.tokens and req.tokens[-1] in stops:
-            req.stop_reason = "stop_token"
-        elif len(req.tokens) >= req.max_new_tokens:
-            req.stop_reason = "max_new_tokens"
-        else:
-            req.stop_reason = "cache_full"
+        req.stop_reason = telemetry.stop_reason(req.tokens, self.engine.stop_ids(self.opts), req.max_new_tokens)
         req.status, req.finished_s, req.target_forwards = "finished", t, forwards
         self.slots[req.slot] = None
         if self.controller is not None:

@@ -1,4 +1,4 @@
-"""Decode state (the while-loop carry) and the commit step shared by every decoding path.
+"""The cache coordinator: decode state (the while-loop carry) and the commits every path shares.
 
 Invariant: row b has committed `lengths[b]` tokens (prompt + generated) in `tokens[b]`; the
 cache holds K/V for positions `< lengths[b] - 1`. The last committed token is fed at the next
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Int
 
+from specjax import tree
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingParams
 
@@ -88,3 +89,33 @@ def commit(
         | (lengths + window > state.capacity)
     )
     return state.replace(tokens=tokens, lengths=lengths, done=done), take
+
+
+def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], accepted,
+                topo: tree.Topology) -> DecodeState:
+    """Commits a verified window: the accepted path's tokens and K/V, then the next token.
+
+    `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted
+    path's K/V move to consecutive slots (`tree.compact`); a chain's path already is consecutive.
+    Nothing is rolled back: slots past the new length are never attended and get overwritten.
+    """
+    b = nodes.shape[0]
+    window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, D]
+    new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
+    new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
+    if not topo.is_chain:
+        cache = tree.compact(cache, state.lengths - 1, accepted.path)
+    active = (~state.done).astype(jnp.int32)
+    state = state.replace(cache=cache, forwards=state.forwards + 1, row_forwards=state.row_forwards + active)
+    return commit(state, new, accepted.n + 1, window=topo.width)[0]
+
+
+def insert_row(batch, row, slot: Int[Array, ""]):
+    """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
+
+    Scalars (the batch's step counter) keep the batch's value. This is what continuous batching
+    needs: a request prefilled alone is scattered into a running batch; other rows do not move.
+    """
+    put = lambda big, small: big.at[slot].set(small[0]) if big.ndim else big
+    return jax.tree.map(put, batch, row)

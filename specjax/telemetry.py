@@ -1,4 +1,7 @@
-"""Speculation counters in the shape vLLM exports, per request and aggregated, as JSON lines.
+"""Telemetry in one typed shape: the device counters (`decoder.Stats`) become `SpecCounters` on the
+host, for the Engine's results, the scheduler's requests, the JSON output and the load bench.
+
+Speculation counters follow the shape vLLM exports, per request and aggregated, as JSON lines.
 
 vLLM's spec-decode metrics count, per proposal step, one draft (`num_drafts`), K draft tokens
 (`num_draft_tokens`), the drafts the target kept (`num_accepted_tokens`), and how often draft
@@ -7,8 +10,12 @@ position j was kept (`accepted_tokens_per_pos`). The derived numbers follow vLLM
     mean_acceptance_length = 1 + num_accepted_tokens / num_drafts   (tokens per target step)
     draft_acceptance_rate  = num_accepted_tokens / num_draft_tokens
 
+A tree counts every node it verified as a drafted token, and its accepted depth per position.
 A request whose chunks used different K (the adaptive controller) has `accepted_tokens_per_pos`
 as long as its largest K; plain chunks add nothing.
+
+Tokens per target forward (`tau`, bonus token included) and a row's stop reason are also decided
+here, once.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import dataclasses
 import json
 import pathlib
 from typing import Iterable, Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -27,29 +36,26 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    accept_hist: list[int] = dataclasses.field(default_factory=list)  # steps that kept exactly n
 
-    def add(self, *, k: int, accepted_per_position: Sequence[int], steps: int) -> None:
-        """Adds `steps` proposal steps of K drafts whose per-position acceptance counts are given."""
-        if k <= 0 or steps <= 0:
-            return
-        app = [int(x) for x in accepted_per_position]
-        self.num_drafts += int(steps)
-        self.num_draft_tokens += int(steps) * k
-        self.num_accepted_tokens += sum(app)
-        self._add_pos(app)
+    @classmethod
+    def from_stats(cls, stats, row: int) -> "SpecCounters":
+        """Row `row` of the device counters (`specjax.decoder.Stats`, host or device arrays)."""
+        hist = np.asarray(stats.accept_hist)[row]
+        if hist.size <= 1:  # the plain loop drafts nothing
+            return cls()
+        return cls(num_drafts=int(hist.sum()), num_draft_tokens=int(np.asarray(stats.drafted)[row]),
+                   num_accepted_tokens=int(np.asarray(stats.accepted)[row]),
+                   accepted_tokens_per_pos=np.asarray(stats.accepted_per_position)[row].tolist(),
+                   accept_hist=hist.tolist())
 
     def merge(self, other: "SpecCounters") -> "SpecCounters":
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        self._add_pos(other.accepted_tokens_per_pos)
+        self.accepted_tokens_per_pos = _add(self.accepted_tokens_per_pos, other.accepted_tokens_per_pos)
+        self.accept_hist = _add(self.accept_hist, other.accept_hist)
         return self
-
-    def _add_pos(self, app: Sequence[int]) -> None:
-        if len(app) > len(self.accepted_tokens_per_pos):
-            self.accepted_tokens_per_pos += [0] * (len(app) - len(self.accepted_tokens_per_pos))
-        for j, a in enumerate(app):
-            self.accepted_tokens_per_pos[j] += int(a)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -64,14 +70,23 @@ class SpecCounters:
                 "draft_acceptance_rate": self.draft_acceptance_rate}
 
 
-def from_extra(extra: dict) -> SpecCounters:
-    """Counters of one `engine.Result` (its `extra` telemetry dict)."""
-    c = SpecCounters()
-    k = int(extra.get("k", 0))
-    if k and "accept_hist" in extra:
-        c.add(k=k, accepted_per_position=extra["accepted_per_position"],
-              steps=sum(extra["accept_hist"]))
-    return c
+def _add(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]
+
+
+def tau(new_tokens: int, target_forwards: int) -> float:
+    """Tokens per target forward after the prefill's first token (the bonus token included)."""
+    return (new_tokens - 1) / target_forwards if target_forwards else 1.0
+
+
+def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int) -> str:
+    """Why a finished row stopped: "stop_token", "max_new_tokens" or "cache_full"."""
+    if tokens and tokens[-1] in set(int(t) for t in stop_ids if t >= 0):
+        return "stop_token"
+    if len(tokens) >= max_new_tokens:
+        return "max_new_tokens"
+    return "cache_full"
 
 
 def aggregate(counters: Iterable[SpecCounters]) -> SpecCounters:

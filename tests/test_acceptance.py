@@ -8,6 +8,7 @@ from scipy import stats
 
 from specjax import acceptance, sampling
 from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.tree import chain_topology
 
 N = 20_000  # rows (independent keys) for the distribution checks
 V = 6  # one vocabulary and few window sizes, so the jitted rule compiles a handful of times
@@ -16,7 +17,16 @@ ZERO = -1e4  # a logit whose softmax weight is exactly 0 in float32
 
 
 speculative = jax.jit(acceptance.speculative)
-accept = jax.jit(acceptance.accept, static_argnums=0)
+
+
+def _accept(config, keys, draft, q, logits, params):
+    """The Decoder's default sampled chain rule (Leviathan's), as (n, next)."""
+    acc = acceptance.Speculative().accept(config, keys, draft, q, logits, params,
+                                          chain_topology(draft.shape[1]))
+    return acc.n, acc.next
+
+
+accept = jax.jit(_accept, static_argnums=0)
 probs = jax.jit(sampling.probs)
 
 

@@ -113,7 +113,7 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
 
     from specjax.config import SpecConfig
     from specjax.controller import ControllerConfig
-    from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+    from specjax.models.heads import HeadsConfig, MedusaHeads
 
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
                         rngs=nnx.Rngs(0))

@@ -148,13 +148,11 @@ def test_stop_token_as_first_token(engine):
 def test_cache_full_stops_rows(engine):
     """A Batch whose cache is smaller than prompt + budget stops each row when its cache is full.
 
-    `Engine.start` sizes the cache so this cannot happen; the Batch is built by hand.
+    `Engine.start` sizes the cache so this cannot happen unless `cache_length=` is given.
     """
     free = engine.generate([PROMPTS["a"], PROMPTS["b"]], max_new_tokens=12)
-    template = engine.start([PROMPTS["a"], PROMPTS["b"]], GenerateOptions(max_new_tokens=12))
     capacity = 10
-    batch = Batch(engine, template.args, n_real=2, sampling_config=SamplingConfig(method="greedy"),
-                  cache_length=capacity, window=1, spec=SpecConfig())
+    batch = engine.start([PROMPTS["a"], PROMPTS["b"]], GenerateOptions(max_new_tokens=12), cache_length=capacity)
     r0, r1 = batch.run()
     assert r0.tokens == free[0].tokens[: capacity - len(PROMPTS["a"])]
     assert r1.tokens == free[1].tokens[: capacity - len(PROMPTS["b"])]

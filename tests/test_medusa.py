@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax import acceptance
 from specjax import tree as tree_lib
 from specjax.config import TREES, SpecConfig
 from specjax.engine import Engine
@@ -16,7 +17,7 @@ from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingConfig, SamplingParams
-from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+from specjax.models.heads import HeadsConfig, MedusaHeads
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
 M = 17
@@ -54,7 +55,7 @@ def ref(eng):
 def test_chain_equals_plain(eng, ref, k):
     res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", k=k))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
-    assert all(r.extra["k"] == k for r in res)
+    assert all(r.k == k for r in res)
 
 
 @pytest.mark.parametrize("tree", ["chain4", "small", "medium", ((0,), (1,), (1, 0), (1, 1), (1, 1, 0))])
@@ -89,9 +90,12 @@ class TableTreeProposer:
     tree: tuple
     right: tuple
     vocab: int
-    typical: tuple | None = None
 
-    def init(self, params, state, prompts, hidden):
+    @property
+    def paths(self):
+        return self.tree
+
+    def init(self, params, state, inputs, hidden):
         return None
 
     def propose(self, params, pstate, state, sampling_config, keys):
@@ -104,7 +108,7 @@ class TableTreeProposer:
             toks.append(true if on else (true + 1 + path[-1]) % self.vocab)
         return jnp.stack(toks, axis=1), None, pstate
 
-    def reconcile(self, params, pstate, state, hidden, last):
+    def reconcile(self, params, pstate, state, verify, accepted):
         return pstate
 
 
@@ -121,8 +125,8 @@ def test_tree_accepts_the_right_branch_and_compacts(eng, ref, right, monkeypatch
     res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig(method="medusa", tree=tree))
     for r, want in zip(res, ref):
         assert r.tokens == want[:m]  # wrong K/V moved into place would change later tokens
-        assert r.extra["tau"] == depth + 1
-        assert r.extra["accept_hist"][depth] == r.target_forwards
+        assert r.tau == depth + 1
+        assert r.counters.accept_hist[depth] == r.target_forwards
 
 
 # ---- the tree mask -----------------------------------------------------------------------------
@@ -164,10 +168,11 @@ def test_tree_accept_walk():
     # target argmax per slot: root -> 4 (node (1,), slot 2), slot 2 -> 7 (node (1,1), slot 5), slot 5 -> 1
     want = {0: 4, 1: 0, 2: 7, 3: 0, 4: 0, 5: 1}
     logits = jax.nn.one_hot(jnp.asarray([[want[w] for w in range(6)]]), v) * 10.0
-    n, leaf, path, nxt = tree_lib.accept(SamplingConfig(method="greedy"), jax.random.key(0)[None],
-                                         nodes, logits, SamplingParams.create(1), topo)
-    assert int(n[0]) == 2 and int(leaf[0]) == 5 and int(nxt[0]) == 1
-    assert path[0, :3].tolist() == [0, 2, 5]
+    for rule in (acceptance.Greedy(), acceptance.SpecInfer()):  # SpecInfer under greedy: argmax draws
+        acc = rule.accept(SamplingConfig(method="greedy"), jax.random.key(0)[None], nodes, None, logits,
+                          SamplingParams.create(1), topo)
+        assert int(acc.n[0]) == 2 and int(acc.leaf[0]) == 5 and int(acc.next[0]) == 1
+        assert acc.path[0, :3].tolist() == [0, 2, 5]
 
 
 # ---- sampling: the tree walk is lossless -------------------------------------------------------
@@ -251,7 +256,7 @@ def test_heads_carry_their_tuned_tree(tiny_model, ref):
     assert e.resolve(SpecConfig(method="medusa", tree="heads")).window == 5
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
-    assert res[0].extra["k"] == 3
+    assert res[0].k == 3
 
 
 def test_token_input_heads(tiny_model, ref, key):

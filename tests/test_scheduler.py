@@ -12,7 +12,7 @@ from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.scheduler import Scheduler, poisson_arrivals
-from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+from specjax.models.heads import HeadsConfig, MedusaHeads
 
 PROMPTS = [
     [5, 9, 12, 5, 9, 12, 5, 9],
@@ -92,7 +92,7 @@ def test_every_request_once_with_its_alone_tokens(eng, alone, method):
 def test_stop_tokens_and_sampling_match_alone(eng):
     stop = eng.generate([PROMPTS[0]], max_new_tokens=M)[0].tokens[5]
     kw = dict(max_new_tokens=M, stop_ids=(stop,), temperature=0.9, top_k=8, seed=3)
-    want = [eng.generate([p], **kw)[0] for p in PROMPTS[:3]]
+    want = eng.generate(PROMPTS[:3], batch_size=1, **kw)  # global rows 0..2: request ids 0..2
     s = serve(eng, SpecConfig(), slots=2, prompts=PROMPTS[:3], budgets=[M] * 3, opts=GenerateOptions(**kw))
     for r, w in zip(s.run(), want):
         assert r.tokens == w.tokens and r.stop_reason == w.stop_reason
@@ -176,8 +176,9 @@ def test_telemetry_records(eng):
     assert agg["all"]["mean_acceptance_length"] == pytest.approx(
         1 + agg["all"]["num_accepted_tokens"] / agg["all"]["num_drafts"])
     res = eng.generate([PROMPTS[0]], max_new_tokens=M, spec=SpecConfig(method="ngram", k=4))[0]
-    c = telemetry.from_extra(res.extra)
-    assert c.num_drafts == res.target_forwards and c.num_accepted_tokens == res.extra["accepted"]
+    c = res.counters
+    assert c.num_drafts == res.target_forwards and c.num_accepted_tokens == sum(c.accepted_tokens_per_pos)
+    assert c.num_draft_tokens == 4 * c.num_drafts and sum(c.accept_hist) == c.num_drafts
 
 
 def test_bad_input_fails_before_compiling(eng, tiny_model):

@@ -13,7 +13,7 @@ from flax import nnx
 from specjax import cli
 from specjax.models import registry
 from specjax.train_heads import checkpoint, data
-from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.train_heads.train import Trainer, TrainConfig, batch_rows
 
 CYCLE = 8  # synthetic task: token t + 1 = (token t + 1) % CYCLE

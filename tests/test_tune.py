@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.train_heads.data import TokenData
-from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.train_heads.tune import frequent_tokens, rank_accuracy
 
 

@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax.train_heads import checkpoint
 from specjax.train_heads.data import TokenData
-from specjax.train_heads.heads import HeadsConfig, MedusaHeads
+from specjax.models.heads import HeadsConfig, MedusaHeads
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,21 +1,27 @@
-"""Draft proposers: each guesses K next tokens per row with fixed shapes.
+"""Draft proposers: each guesses the next tokens of every row with fixed shapes.
 
-A proposer is a frozen, hashable dataclass (static: it shapes the program) with three pure
-methods; its arrays (draft weights, caches) travel separately as `params` and `pstate`:
+A proposer is a frozen, hashable dataclass (static: it shapes the program) with pure methods; its
+arrays (draft weights, caches) travel separately as `params` (built with it by its factory) and
+`pstate` (in the loop carry):
 
-- `init(params, state, prompts, hidden) -> pstate`: after the target prefill (inside jit).
-- `propose(params, pstate, state, sampling_config, keys) -> (draft [B, K], q, pstate)`:
-  q is the [B, K, V] distribution the drafts were sampled from, or None when the proposer
-  is deterministic (one-hot q).
-- `reconcile(params, pstate, state, hidden, last) -> pstate`: after the commit, with the
-  target's verify hidden states [B, W, D] and the window slot of the last accepted token
-  (for a chain, the number of accepted drafts); brings the proposer's state in line with
-  the accepted length.
+- `paths`: the window it drafts, as tree paths; a chain of K is `((0,), (0, 0), ...)`.
+- `init(params, state, inputs, hidden) -> pstate`: after the target prefill (inside jit), with the
+  target's final hidden states at every prompt position `[B, P, D]`.
+- `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, N], q, pstate)`: q is the
+  `[B, N, V]` distribution the drafts were sampled from, or None when the proposer is
+  deterministic (one-hot q).
+- `reconcile(params, pstate, state, verify, accepted) -> pstate`: after the commit, with the verify
+  pass's whole output (`verify.hidden` at every window slot `[B, W, D]`, `verify.logits`) and the
+  accepted path (`accepted.n`, `accepted.path`, `accepted.leaf`), so a proposer that keeps a cache
+  or a feature can bring it in line with what was committed.
+
+`specjax.proposers.registry` maps a method name to the factory that builds a proposer and its
+params; a new method is its own module plus one entry there.
 """
 
 from specjax.proposers.base import Proposer
 from specjax.proposers.draft_model import DraftModelProposer
-from specjax.proposers.medusa import MedusaProposer
+from specjax.proposers.medusa import MedusaParams, MedusaProposer
 from specjax.proposers.ngram import NgramProposer
 
-__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "MedusaProposer"]
+__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams"]

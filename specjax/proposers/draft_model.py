@@ -17,18 +17,35 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import sampling
+from specjax.proposers.base import Chain
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingConfig
 from specjax.state import DecodeState
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DraftModelProposer:
+class DraftModelProposer(Chain):
+    """Static side: K and the draft's graph; its params are the draft's weights."""
+
     k: int
     graphdef: Any  # nnx.GraphDef of the draft model (hashable, static)
 
-    def init(self, params, state: DecodeState, prompts, hidden):
+    @classmethod
+    def from_model(cls, draft: nnx.Module, *, k: int) -> tuple["DraftModelProposer", Any]:
+        """(proposer, params) for a draft model with the target's vocabulary."""
+        graphdef, params = nnx.split(draft)
+        return cls(k=k, graphdef=graphdef), params
+
+    @classmethod
+    def from_spec(cls, spec, assets):
+        if assets.draft is None:
+            raise ValueError("method 'draft' needs a draft model: Engine.load(..., draft_model=NAME) "
+                             "or --draft-model NAME")
+        return cls.from_model(assets.draft, k=spec.k)
+
+    def init(self, params, state: DecodeState, inputs, hidden):
         model = nnx.merge(self.graphdef, params)
+        prompts = inputs.prompts
         b, p = prompts.shape
         cache = KVCache.zeros(model.config, b, state.capacity)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -62,5 +79,5 @@ class DraftModelProposer:
             return draft, None, cache
         return draft, jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1), cache
 
-    def reconcile(self, params, cache, state, hidden, num_accepted):
+    def reconcile(self, params, cache, state, verify, accepted):
         return cache  # positions come from state.lengths; stale slots are never attended

@@ -1,84 +1,153 @@
 """Medusa heads as a proposer: chain (each head's top-1) or a static candidate tree.
 
 The proposer state is the target's final hidden state at the position whose LM-head output
-chose the row's pending token (prefill: the last prompt token; later: the last accepted
-position of the verify window). Head m applied to it predicts the token m + 1 places after
-the pending one, i.e. window slot m + 1 of the next verify. Drafts are deterministic (top-k
-ranks), so q is one-hot and the usual acceptance rules stay lossless.
+chose the row's pending token (prefill: the last prompt token; later: the accepted leaf of the
+verify window). Head m applied to it predicts the token m + 1 places after the pending one, i.e.
+window depth m + 1 of the next verify. Drafts are deterministic (top-k ranks), so q is one-hot
+and every lossless rule stays lossless.
 
-Tree nodes are paths of ranks (see `specjax.config.TREES`): node (r_1, ..., r_d) is head
-d-1's rank-r_d token, placed after its parent (r_1, ..., r_{d-1}).
+Tree nodes are paths of ranks (see `specjax.config.TREES`): node (r_1, ..., r_d) is head d-1's
+rank-r_d token, placed after its parent (r_1, ..., r_{d-1}).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
-from specjax.config import Tree
+from specjax.config import HEADS_TREE, Tree, chain
+from specjax.models.heads import MedusaHeads
+from specjax.models.llama import Llama
 from specjax.state import DecodeState, last_tokens
+
+
+@struct.dataclass
+class MedusaParams:
+    """The arrays a Medusa proposer reads.
+
+    `lm_head` is the base LM head (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset
+    of frequent tokens (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for
+    the full vocabulary). Projecting onto the few thousand tokens that make up nearly all generated
+    text cuts the heads' cost several-fold; a token outside the subset is simply never proposed,
+    which verification tolerates. `embed` feeds `token_input` heads.
+    """
+
+    heads: Any  # the heads' nnx.State
+    lm_head: Float[Array, "..."]
+    ids: Int[Array, "V2"] | None
+    embed: Float[Array, "V D"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedHeads:
+    """Trained heads with what was tuned for them (`specjax tune-heads`) and their manifest."""
+
+    module: MedusaHeads
+    vocab: tuple[int, ...] | None = None  # token ids the shared-LM-head heads may propose
+    tree: Tree | None = None  # the candidate tree tuned for them (`SpecConfig(tree="heads")`)
+    manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MedusaProposer:
     """Static side of the Medusa proposer.
 
-    `params` = (heads params, LM head weight, token ids, embedding): the weight is the base LM head
-    (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset of frequent tokens
-    (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for the full
-    vocabulary); the embedding feeds `token_input` heads. Projecting onto the few thousand tokens
-    that make up nearly all generated text cuts the heads' cost several-fold; a draft outside the subset is simply never proposed,
-    which verification tolerates (drafts may be anything, acceptance stays exact).
-
     Attributes:
       k: chain length, or the tree's depth; at most the number of heads.
       graphdef: the heads' `nnx.GraphDef`.
       tied: the base LM head weight is the embedding `[V, D]` (else an own `[D, V]` head).
-      tree: static candidate tree, or None for a chain.
-      typical: (epsilon, delta) of Medusa's LOSSY typical acceptance, or None (lossless).
+      tree: static candidate tree, or None for a chain of k.
     """
 
     k: int
     graphdef: Any
     tied: bool = True
     tree: Tree | None = None
-    typical: tuple[float, float] | None = None
 
-    def init(self, params, state: DecodeState, prompts, hidden: Float[Array, "B D"]):
-        return hidden
+    @classmethod
+    def from_heads(cls, heads: MedusaHeads, target: Llama, *, k: int | None = None, tree: Tree | None = None,
+                   vocab_subset: Sequence[int] | None = None) -> tuple["MedusaProposer", MedusaParams]:
+        """(proposer, params) for `heads` on `target`: a chain of `k` heads, or `tree`.
 
-    def head_logits(self, params, hidden: Float[Array, "B D"],
+        Raises ValueError (before anything compiles) when the heads do not fit the target, k or the
+        tree's depth exceeds the heads, or the tree's ranks exceed the tokens the heads can propose.
+        """
+        hc, tc = heads.config, target.config
+        if hc.dim != tc.dim or hc.vocab_size != tc.vocab_size:
+            raise ValueError(f"Medusa heads are for dim {hc.dim} / vocab {hc.vocab_size}, the model has dim "
+                             f"{tc.dim} / vocab {tc.vocab_size}: train heads for this model")
+        depth = max(len(p) for p in tree) if tree is not None else int(k or hc.num_heads)
+        if depth > hc.num_heads:
+            raise ValueError(f"medusa k={depth} (or tree depth) exceeds the {hc.num_heads} trained heads: "
+                             f"use k <= {hc.num_heads}")
+        ids = None if hc.own_projection or vocab_subset is None else np.asarray(vocab_subset, np.int64)
+        if ids is not None and (ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= tc.vocab_size):
+            raise ValueError(f"vocab_subset must be a non-empty list of token ids in [0, {tc.vocab_size})")
+        if tree is not None:
+            ranks = 1 + max(p[-1] for p in tree)
+            limit = tc.vocab_size if ids is None else len(ids)
+            if ranks > limit:
+                raise ValueError(f"tree uses rank {ranks - 1}, beyond the {limit} tokens the heads can propose")
+        tied = tc.tie_embeddings
+        weight = target.embed[...] if tied else target.lm_head[...]
+        if ids is not None:
+            weight = weight[ids] if tied else weight[:, ids]
+        graphdef, params = nnx.split(heads)
+        proposer = cls(k=depth, graphdef=graphdef, tied=tied, tree=tree)
+        return proposer, MedusaParams(heads=params, lm_head=weight,
+                                      ids=None if ids is None else jnp.asarray(ids, jnp.int32),
+                                      embed=target.embed[...])
+
+    @classmethod
+    def from_spec(cls, spec, assets):
+        if assets.heads is None:
+            raise ValueError("method 'medusa' needs Medusa heads: Engine.load(..., heads='default' or DIR) "
+                             "or --heads DIR")
+        tree = spec.tree
+        if tree == HEADS_TREE:
+            tree = assets.heads.tree
+            if tree is None:
+                raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
+                                 "name a tree (chain4, small, medium) or give --k")
+        return cls.from_heads(assets.heads.module, assets.target, k=spec.k, tree=tree,
+                              vocab_subset=assets.heads.vocab)
+
+    @property
+    def paths(self) -> Tree:
+        return self.tree if self.tree is not None else chain(self.k)
+
+    def init(self, params: MedusaParams, state: DecodeState, inputs, hidden: Float[Array, "B P D"]):
+        """The hidden state at each row's last prompt token."""
+        return jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+
+    def head_logits(self, params: MedusaParams, hidden: Float[Array, "B D"],
                     tokens: Int[Array, "B"]) -> Float[Array, "B M V"]:
         """Logits of the first k heads at each row's hidden state (`tokens`: the pending token,
         read by heads trained with `token_input`)."""
-        heads_params, w, _, embed = params
-        heads = nnx.merge(self.graphdef, heads_params)
-        emb = jnp.take(embed, tokens, axis=0) if heads.config.token_input else None
+        heads = nnx.merge(self.graphdef, params.heads)
+        emb = jnp.take(params.embed, tokens, axis=0) if heads.config.token_input else None
         f = heads.features(hidden, emb)[:, : self.k]  # project only the heads this proposer uses
         if heads.config.own_projection:
             return jnp.einsum("BMD,MDV->BMV", f, heads.proj[...][: self.k].astype(f.dtype))
-        w = w.astype(f.dtype)
+        w = params.lm_head.astype(f.dtype)
         return jnp.einsum("BMD,VD->BMV", f, w) if self.tied else jnp.einsum("BMD,DV->BMV", f, w)
 
-    def propose(self, params, hidden, state: DecodeState, sampling_config, keys):
+    def propose(self, params: MedusaParams, hidden, state: DecodeState, sampling_config, keys):
         logits = self.head_logits(params, hidden, last_tokens(state))
-        ranks = 1 if self.tree is None else 1 + max(p[-1] for p in self.tree)
-        _, top = jax.lax.top_k(logits, ranks)  # [B, M, R]
-        if params[2] is not None:
-            top = params[2][top]  # subset index -> token id
-        if self.tree is None:
-            return top[..., 0].astype(jnp.int32), None, hidden
-        head = jnp.asarray([len(p) - 1 for p in self.tree])
-        rank = jnp.asarray([p[-1] for p in self.tree])
+        paths = self.paths
+        _, top = jax.lax.top_k(logits, 1 + max(p[-1] for p in paths))  # [B, M, R]
+        if params.ids is not None:
+            top = params.ids[top]  # subset index -> token id
+        head = np.asarray([len(p) - 1 for p in paths])
+        rank = np.asarray([p[-1] for p in paths])
         return top[:, head, rank].astype(jnp.int32), None, hidden
 
-    def reconcile(self, params, hidden, state, verify_hidden: Float[Array, "B W D"],
-                  last: Int[Array, "B"]):
-        """Keeps the hidden state at window slot `last`: the last accepted position (for a
-        chain this is the number of accepted drafts; for a tree, the accepted leaf's slot)."""
-        return jnp.take_along_axis(verify_hidden, last[:, None, None], axis=1)[:, 0]
+    def reconcile(self, params, hidden, state, verify, accepted):
+        """Keeps the hidden state at the accepted leaf's window slot."""
+        return jnp.take_along_axis(verify.hidden, accepted.leaf[:, None, None], axis=1)[:, 0]

@@ -47,6 +47,11 @@ class NgramProposer(Stateless):
             found |= hit
         return draft
 
+    @classmethod
+    def from_spec(cls, spec, assets=None) -> tuple["NgramProposer", None]:
+        """Prompt lookup needs no weights: (proposer, None)."""
+        return cls(k=spec.k, min_n=spec.ngram_min, max_n=spec.ngram_max), None
+
     def propose(self, params, pstate, state: DecodeState, sampling_config, keys):
         return self.lookup(state.tokens, state.lengths), None, pstate
 

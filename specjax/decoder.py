@@ -1,0 +1,362 @@
+"""The functional core: `Decoder`, a static description of a decoding program, and its pure functions.
+
+Everything that shapes the program (proposer, acceptance rule, sampling method, window, cache
+length) lives on the frozen, hashable `Decoder`; everything that only changes values (prompts and
+their lengths, max_new_tokens, temperature, top-k, top-p, stop ids, keys) is an array in `Inputs`
+and then in the loop carry. Each method is a pure function you may wrap in your own `jax.jit`
+(with your shardings and donation):
+
+```python
+graphdef, params = nnx.split(model)
+
+@jax.jit
+def run(params, inputs):
+    model = nnx.merge(graphdef, params)
+    state = decoder.prefill(model, pparams, inputs)
+    return decoder.decode(model, pparams, state)
+```
+
+One speculative step reads as the algorithm does, for chains and trees alike:
+
+```
+nodes, q = propose(...)                  # [B, N] drafted tokens (+ q [B, N, V] when sampled)
+out = verify(target, state, nodes)       # one target pass over the window (tree mask)
+acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
+state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
+pstate = proposer.reconcile(out, acc)    # e.g. a draft cache or the hidden state at the leaf
+```
+
+Random streams are per row: row keys come from the seed and the row's global index
+(`row_keys`), and each step folds in the row's own position, so a row's sample depends on
+neither its batch neighbours nor the batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Int
+
+from specjax import acceptance, sampling, tree
+from specjax.config import chain
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import Llama, Output
+from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.state import DecodeState, commit, commit_path, insert_row, last_tokens, step_keys
+
+MAX_STOP_IDS = 8
+RUN_TO_END = np.iinfo(np.int32).max
+
+
+def round_up_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (int(n) - 1).bit_length())
+
+
+def cache_length(prompt_bucket: int, max_new_tokens: int, window: int) -> int:
+    """Cache slots for a batch: its prompt bucket, max_new_tokens rounded up to a power of two
+    (so budgets up to the same power share one program), and one window of headroom."""
+    return int(prompt_bucket) + round_up_pow2(max_new_tokens) + int(window)
+
+
+def row_keys(seed: int | Sequence[int], row_ids: Sequence[int]) -> Array:
+    """One PRNG key per row: `fold_in(key(seed), row_id)`. Distinct ids never share a stream."""
+    seeds = np.broadcast_to(np.asarray(seed, np.uint32), (len(row_ids),))
+    ids = np.asarray(row_ids, np.uint32)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, ids)
+
+
+def _per_row(value, n: int, name: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: give one, or one per prompt")
+    return values
+
+
+@struct.dataclass
+class Inputs:
+    """Per-row inputs of a batch: all arrays, so new values never recompile."""
+
+    prompts: Int[Array, "B P"]  # right-padded to the bucket P
+    prompt_lengths: Int[Array, "B"]
+    max_new: Int[Array, "B"]
+    sampling: SamplingParams
+    stop_ids: Int[Array, "B E"]  # padded with -1
+    keys: Array  # [B] PRNG keys
+
+    @classmethod
+    def create(cls, prompts: Sequence[Sequence[int]], *, bucket: int | None = None,
+               batch_size: int | None = None, max_new_tokens: int | Sequence[int] = 128,
+               temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (),
+               seed: int | Sequence[int] = 0, row_ids: Sequence[int] | None = None) -> "Inputs":
+        """Pads token-id prompts into a batch.
+
+        Args:
+          prompts: token ids per row.
+          bucket: padded prompt length P (default: the longest prompt).
+          batch_size: rows B (default: one per prompt); extra rows repeat prompt 0 with a budget
+            of one token, so they finish at once.
+          max_new_tokens, temperature, top_k, top_p: one value, or one per prompt.
+          stop_ids: tokens that end a row (kept in its output), at most `MAX_STOP_IDS`.
+          seed, row_ids: row r's key is `fold_in(key(seed), row_ids[r])`; row ids default to
+            0..B-1. Give each row its global index (or request id) so that no two rows of any
+            batch share a random stream.
+        """
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("no prompts given")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt is empty: give at least one token")
+        b = n if batch_size is None else int(batch_size)
+        if b < n:
+            raise ValueError(f"{n} prompts for batch_size={b}: split them")
+        p = max(len(x) for x in prompts) if bucket is None else int(bucket)
+        if max(len(x) for x in prompts) > p:
+            raise ValueError(f"a prompt of {max(len(x) for x in prompts)} tokens exceeds the bucket of {p}")
+        stops = tuple(stop_ids)
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
+        per_row = {name: _per_row(v, n, name) for name, v in
+                   dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p).items()}
+        for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
+            sampling.validate(t, k, tp)
+        if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be integers >= 1")
+        pad = b - n
+        rows = list(prompts) + [prompts[0]] * pad
+        tokens = np.zeros((b, p), np.int32)
+        for r, x in enumerate(rows):
+            tokens[r, : len(x)] = x
+        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        stop[:, : len(stops)] = stops
+        fill = lambda name, pad_value: np.asarray(per_row[name] + [pad_value] * pad)
+        ids = list(range(b)) if row_ids is None else list(row_ids)
+        if len(ids) < b:  # padding rows continue the ids
+            ids += [max(ids) + 1 + i for i in range(b - len(ids))]
+        return cls(
+            prompts=jnp.asarray(tokens), prompt_lengths=jnp.asarray([len(x) for x in rows], jnp.int32),
+            max_new=jnp.asarray(fill("max_new_tokens", 1), jnp.int32),
+            sampling=SamplingParams(temperature=jnp.asarray(fill("temperature", 0.0), jnp.float32),
+                                    top_k=jnp.asarray(fill("top_k", 0), jnp.int32),
+                                    top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
+            stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]))
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts.shape[0]
+
+
+@struct.dataclass
+class Stats:
+    """Per-row speculation counters, on device (`specjax.telemetry.SpecCounters` on the host)."""
+
+    drafted: Int[Array, "B"]  # draft tokens verified (a tree counts every node)
+    accepted: Int[Array, "B"]
+    accepted_per_position: Int[Array, "B D"]  # how often the draft at depth j + 1 was kept
+    accept_hist: Int[Array, "B D+1"]  # how often a step kept exactly n drafts
+
+    @classmethod
+    def zeros(cls, batch: int, depth: int) -> "Stats":
+        z = lambda *s: jnp.zeros(s, jnp.int32)
+        return cls(drafted=z(batch), accepted=z(batch), accepted_per_position=z(batch, depth),
+                   accept_hist=z(batch, depth + 1))
+
+    def update(self, active, n, nodes: int) -> "Stats":
+        depth = self.accepted_per_position.shape[1]
+        a = active.astype(jnp.int32)
+        kept = n * a
+        return Stats(
+            drafted=self.drafted + nodes * a,
+            accepted=self.accepted + kept,
+            accepted_per_position=self.accepted_per_position
+            + (jnp.arange(depth)[None] < kept[:, None]).astype(jnp.int32),
+            accept_hist=self.accept_hist + jax.nn.one_hot(n, depth + 1, dtype=jnp.int32) * a[:, None],
+        )
+
+
+@struct.dataclass
+class State:
+    """The loop carry: committed tokens and cache, the proposer's own state, the counters."""
+
+    decode: DecodeState
+    proposer: Any
+    stats: Stats
+
+
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B N"], topo: tree.Topology) -> Output:
+    """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
+
+    A chain's window mask is the causal one; a tree's lets each node see only its ancestors.
+    """
+    window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+    start = state.lengths - 1
+    positions = start[:, None] + jnp.asarray(topo.depth, jnp.int32)[None, :]
+    if topo.is_chain:
+        return target(window, positions, state.cache)
+    mask = jnp.broadcast_to(jnp.asarray(topo.ancestors), (window.shape[0],) + topo.ancestors.shape)
+    return target(window, positions, state.cache, start=start, window_mask=mask)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decoder:
+    """Everything that shapes a decoding program; hashable, so it can be a static jit argument.
+
+    Attributes:
+      cache_length: KV cache slots S per row (see `cache_length`); a row is done once another
+        window would not fit.
+      proposer: a draft proposer (`specjax.proposers`), or None for the plain loop.
+      acceptance: the acceptance rule (`specjax.acceptance`); None picks the lossless default for
+        the sampling method and the window's shape (`acceptance.default_rule`).
+      sampling: "greedy" (argmax) or "sample" (per-row temperature / top-k / top-p; rows at
+        temperature 0 stay greedy), or a `SamplingConfig`.
+    """
+
+    cache_length: int
+    proposer: Any = None
+    acceptance: Any = None
+    sampling: SamplingConfig | str = SamplingConfig()
+
+    def __post_init__(self):
+        if isinstance(self.sampling, str):
+            object.__setattr__(self, "sampling", SamplingConfig(method=self.sampling))
+        if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
+            raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
+                             f"({self.window}); see specjax.decoder.cache_length")
+        if self.proposer is None:
+            if self.acceptance is not None:
+                raise ValueError("an acceptance rule needs a proposer: the plain loop accepts nothing")
+            return
+        if self.acceptance is None:
+            object.__setattr__(self, "acceptance", acceptance.default_rule(self.sampling, self.topology))
+        if getattr(self.acceptance, "needs_chain", False) and not self.topology.is_chain:
+            raise ValueError(f"{type(self.acceptance).__name__} verifies chains only; this proposer "
+                             "drafts a tree: use acceptance.SpecInfer() (lossless) or Greedy()")
+
+    @property
+    def topology(self) -> tree.Topology:
+        """The verify window: the proposer's tree (a chain of K for chain proposers)."""
+        if self.proposer is None:
+            return tree.topology(())
+        return tree.topology(getattr(self.proposer, "paths", None) or chain(self.proposer.k))
+
+    @property
+    def window(self) -> int:
+        """Tokens the target sees per step (1 for the plain loop)."""
+        return self.topology.width
+
+    @property
+    def depth(self) -> int:
+        """The most drafts one step can accept (0 for the plain loop)."""
+        return self.topology.max_depth
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
+        """Runs the prompts through the target and commits the first new token of each row.
+
+        Pad slots past a row's prompt are written to the cache but never attended: they lie after
+        the row's query positions and are overwritten as the row generates. Returns the state and
+        the final hidden states at every prompt position `[B, P, D]`, for the proposer.
+        """
+        b, p = inputs.prompts.shape
+        cache = KVCache.zeros(model.config, b, self.cache_length)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        hidden, cache = model.hidden_states(inputs.prompts, positions, cache)
+        last = jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)
+        logits = model.logits(last)[:, 0]
+        tokens = jnp.zeros((b, self.cache_length), jnp.int32).at[:, :p].set(inputs.prompts)
+        state = DecodeState(
+            tokens=tokens, lengths=inputs.prompt_lengths.astype(jnp.int32),
+            prompt_lengths=inputs.prompt_lengths.astype(jnp.int32), max_new=inputs.max_new.astype(jnp.int32),
+            done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
+            keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32))
+        first = sampling.sample(self.sampling, step_keys(state), logits, inputs.sampling)
+        state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
+        return state, hidden
+
+    def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
+        """The proposer's state after the prefill (None for the plain loop)."""
+        return None if self.proposer is None else self.proposer.init(pparams, state, inputs, hidden)
+
+    def prefill(self, model: Llama, pparams, inputs: Inputs) -> State:
+        """Prefills the batch and sets up the proposer: the state `decode` continues from."""
+        state, hidden = self.prefill_target(model, inputs)
+        return State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
+                     stats=Stats.zeros(inputs.batch_size, self.depth))
+
+    def insert(self, state: State, row: State, slot: Int[Array, ""]) -> State:
+        """`state` with row `slot` replaced by the batch-of-one `row` (same cache length)."""
+        return insert_row(state, row, slot)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def step(self, model: Llama, pparams, s: State) -> State:
+        """One target forward: a plain step, or propose -> verify -> accept -> commit."""
+        if self.proposer is None:
+            return dataclasses.replace(s, decode=plain_step(model, self.sampling, s.decode))
+        state, topo = s.decode, self.topology
+        nodes, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
+                                                 step_keys(state, salt=1))
+        out = verify(model, state, nodes, topo)
+        acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
+                                     state.sampling, topo)
+        active = ~state.done
+        state = commit_path(state, out.cache, nodes, acc, topo)
+        pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
+        return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes))
+
+    def decode(self, model: Llama, pparams, state: State, stop_at: Int[Array, ""] | None = None) -> State:
+        """Steps until every row is done or the batch's step counter reaches `stop_at`.
+
+        `stop_at` is an array, so streaming in chunks (`forwards + chunk`) reuses the one compiled
+        program that also runs to the end (None).
+        """
+        stop_at = jnp.asarray(RUN_TO_END if stop_at is None else stop_at, jnp.int32)
+        cond = lambda s: jnp.any(~s.decode.done) & (s.decode.forwards < stop_at)
+        return jax.lax.while_loop(cond, functools.partial(self.step, model, pparams), state)
+
+
+def plain_step(model: Llama, sampling_config: SamplingConfig, state: DecodeState) -> DecodeState:
+    """The plain loop's step, the oracle of every speculative path: feed the pending token, sample
+    the next one, commit it."""
+    pos = state.lengths - 1
+    out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
+    nxt = sampling.sample(sampling_config, step_keys(state), out.logits[:, 0], state.sampling)
+    state = state.replace(cache=out.cache, forwards=state.forwards + 1,
+                          row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
+    return commit(state, nxt[:, None], jnp.ones_like(pos), window=1)[0]
+
+
+# ---- jitted programs (what the hosts compile) ----------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decoder"))
+def prefill_program(graphdef, params, pparams, inputs: Inputs, *, decoder: Decoder) -> State:
+    return decoder.prefill(nnx.merge(graphdef, params), pparams, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decoder"), donate_argnames=("state",))
+def decode_program(graphdef, params, pparams, state: State, stop_at, *, decoder: Decoder) -> State:
+    return decoder.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
+
+
+def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None) -> State:
+    """Prefill and decode to the end with the jitted programs; returns the final state.
+
+    Read the text back with `new_tokens(state)`. Calls with the same decoder and shapes reuse the
+    compiled programs.
+    """
+    graphdef, params = nnx.split(model)
+    state = prefill_program(graphdef, params, pparams, inputs, decoder=decoder)
+    return decode_program(graphdef, params, pparams, state, jnp.int32(RUN_TO_END), decoder=decoder)
+
+
+def new_tokens(state: State | DecodeState) -> list[list[int]]:
+    """The generated ids of every row (a stop token included when one ended the row)."""
+    s = state.decode if isinstance(state, State) else state
+    toks, lens, plen = (np.asarray(x) for x in (s.tokens, s.lengths, s.prompt_lengths))
+    return [toks[r, plen[r]: lens[r]].tolist() for r in range(toks.shape[0])]

@@ -1,0 +1,48 @@
+"""One table from a method name to the factory that builds its proposer and params.
+
+A factory takes the `SpecConfig` and the `Assets` the host holds (the target, a draft model,
+trained heads) and returns `(proposer, params)`, raising one clear ValueError when something it
+needs is missing. Adding a method is its own module plus one line in `FACTORIES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax import acceptance
+from specjax.proposers.draft_model import DraftModelProposer
+from specjax.proposers.medusa import LoadedHeads, MedusaProposer
+from specjax.proposers.ngram import NgramProposer
+
+
+@dataclasses.dataclass
+class Assets:
+    """What proposers may be built from: the target and the optional draft model and heads."""
+
+    target: Any
+    draft: Any = None
+    heads: LoadedHeads | None = None
+
+
+FACTORIES: dict[str, Callable] = {
+    "ngram": NgramProposer.from_spec,
+    "draft": DraftModelProposer.from_spec,
+    "medusa": MedusaProposer.from_spec,
+}
+
+
+def build(spec, assets: Assets):
+    """(proposer, params) for `spec`, or (None, None) for the plain loop."""
+    if spec.method == "none":
+        return None, None
+    if spec.method not in FACTORIES:
+        raise ValueError(f"method {spec.method!r} has no proposer: use one of none, {', '.join(FACTORIES)}")
+    return FACTORIES[spec.method](spec, assets)
+
+
+def acceptance_rule(spec):
+    """The acceptance rule `spec` asks for, or None for the lossless default."""
+    if spec.typical is not None:
+        return acceptance.TypicalAcceptance(*spec.typical)
+    return None
