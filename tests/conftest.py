@@ -12,6 +12,23 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from specjax.models import config as model_config  # noqa: E402
 from specjax.models import loader  # noqa: E402
 
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str):
+    """Skips a test whose model or oracle cannot be had here; in CI (CI=true) fails it instead."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI must have it: a missing model or oracle is a failure there)")
+    pytest.skip(reason)
+
+
+def need_module(name: str):
+    """`pytest.importorskip` that fails in CI."""
+    try:
+        return __import__(name)
+    except ImportError as e:
+        unavailable(f"{name} is not installed ({e}); pip install -e '.[test,oracle,plot]'")
+
 
 @pytest.fixture
 def key():
@@ -36,7 +53,7 @@ def smollm2_path():
     try:
         return registry.resolve("smollm2-135m")
     except registry.ModelNotFoundError as e:
-        pytest.skip(f"SmolLM2-135M not available: {e}")
+        unavailable(f"SmolLM2-135M not available: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import need_module
 
 from specjax import cli, loadbench
 from specjax.engine import Engine, GenerateOptions
@@ -55,7 +56,7 @@ def test_markdown_plots_and_telemetry(results, tmp_path):
     req_rows, _, records = results
     md = loadbench.markdown(records)
     assert md.count("\n| auto | 2 |") == 3 + 1  # three task rows, one memory row
-    pytest.importorskip("matplotlib")
+    need_module("matplotlib")
     paths = loadbench.plot(records, str(tmp_path / "plots"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["speedup_vs_concurrency.png", "tau_by_task.png"]
     rows = loadbench.telemetry_rows(req_rows)

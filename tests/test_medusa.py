@@ -38,6 +38,11 @@ def random_heads(model, seed=0, scale=0.5, num_heads=4, own_projection=False, to
     return heads
 
 
+def assert_accepted(results):
+    """Identity alone would also hold for a proposer that never proposes anything useful."""
+    assert sum(r.counters.num_accepted_tokens for r in results) > 0, "no draft was ever accepted"
+
+
 @pytest.fixture(scope="module")
 def eng(tiny_model):
     return Engine(tiny_model, heads=random_heads(tiny_model))
@@ -55,6 +60,7 @@ def ref(eng):
 def test_chain_equals_plain(eng, ref, k):
     res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", k=k))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
     assert all(r.k == k for r in res)
 
 
@@ -62,6 +68,7 @@ def test_chain_equals_plain(eng, ref, k):
 def test_tree_equals_plain(eng, ref, tree):
     res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree=tree))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
 
 
 def test_zero_init_heads_equal_plain(tiny_model, ref):
@@ -70,12 +77,14 @@ def test_zero_init_heads_equal_plain(tiny_model, ref):
     e = Engine(tiny_model, heads=heads)
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="small"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
 
 
 def test_own_projection_heads_equal_plain(tiny_model, ref):
     e = Engine(tiny_model, heads=random_heads(tiny_model, seed=3, own_projection=True))
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", k=3))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
 
 
 # ---- table-driven tree: a known branch is right, so compaction is exercised --------------------
@@ -232,6 +241,7 @@ def test_vocab_subset_heads_propose_only_subset_tokens(tiny_model, ref):
     spec = SpecConfig(method="medusa", tree="small")
     res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
     batch = e.start(PROMPTS, e_opts(), spec=spec)
     st = batch.prefill()
     prop, params = e.proposer(spec)
@@ -256,6 +266,7 @@ def test_heads_carry_their_tuned_tree(tiny_model, ref):
     assert e.resolve(SpecConfig(method="medusa", tree="heads")).window == 5
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
+    assert_accepted(res)
     assert res[0].k == 3
 
 
@@ -274,3 +285,5 @@ def test_token_input_heads(tiny_model, ref, key):
     for spec in (SpecConfig(method="medusa", k=4), SpecConfig(method="medusa", tree="small")):
         res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
         assert [r.tokens for r in res] == [t[:M] for t in ref]
+        assert_accepted(res)
+    assert_accepted(res)

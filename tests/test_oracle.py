@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import need_module
 from flax import nnx
 
 from specjax.engine import Engine
@@ -18,8 +19,8 @@ from specjax.models import loader
 from specjax.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.oracle
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+transformers = need_module("transformers")
+torch = need_module("torch")
 
 NEW_TOKENS = 32
 

@@ -7,6 +7,7 @@ import pathlib
 import gguf
 import jinja2
 import pytest
+from conftest import need_module, unavailable
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -180,7 +181,7 @@ def _smollm2_path() -> pathlib.Path | None:
 def smollm2_gguf() -> pathlib.Path:
     path = _smollm2_path()
     if path is None or not path.is_file():
-        pytest.skip("SmolLM2-135M GGUF not found (set SPECJAX_SMOLLM2_GGUF)")
+        unavailable("SmolLM2-135M GGUF not found (set SPECJAX_SMOLLM2_GGUF)")
     return path
 
 
@@ -192,7 +193,7 @@ def smollm2(smollm2_gguf) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_pair(smollm2_gguf):
     """(HF tokenizer as transformers builds it from the GGUF, same with SmolLM2's digit split restored)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need_module("transformers")
     load = lambda: transformers.AutoTokenizer.from_pretrained(  # noqa: E731
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     as_converted, fixed = load(), load()
