@@ -1,18 +1,20 @@
-"""`specjax bench`: our loop against HF transformers and the memory roofline, in one run.
+"""`specjax bench`: offline, side by side in one run: the plain loop and each speculative method.
 
-(With prompts, methods or concurrency levels, `specjax bench` runs the load test of
-`specjax.loadbench` instead.)
+Every prompt (batches of `--batch-size`) runs with every method back to back, so drift on a busy
+machine spreads over all of them, and each method's tok/s is compared with the plain loop's on the
+same prompts in the same run (`speedup_vs_none`), per task class and overall. Compile time is
+excluded from tok/s and reported apart. Greedy outputs are checked against the plain loop's.
 
-Runs are interleaved (ours, HF, ours, HF, ...) and medians reported, because timings on small
-shared machines drift 20-40% between runs. The roofline is weight bytes over a bandwidth
-measured here, with the same kind of program a decode step is (a jitted matrix-vector product
-over a DRAM-resident matrix).
+Beside it: the memory roofline (weight bytes over a bandwidth measured here with the same kind of
+program a decode step is, a jitted matrix-vector product over a DRAM-resident matrix), the cost of
+1/5/9-token forwards, and with `--hf` HF transformers' plain greedy loop on the same prompts.
+The load test (a scheduler under concurrency) is the other subcommand, `specjax loadbench`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import resource
 import statistics
 import sys
 import time
@@ -20,6 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from specjax.proposers.registry import FACTORIES
 
 SYNTHETIC_PROMPT = (
     "The history of computing is a story of abstractions. Early machines were programmed by "
@@ -71,10 +75,6 @@ def window_costs(model, cache_len: int = 384, at: int = 200, windows=(1, 5, 9), 
     return res
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _hf_model(source: str):
     import pathlib
 
@@ -103,102 +103,165 @@ def _hf_generate(model, ids: list[int], max_new: int) -> tuple[list[int], float]
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def is_load_test(args) -> bool:
-    """Whether the arguments ask for the load test (`specjax.loadbench`) rather than the roofline."""
-    return bool(args.prompts_file or args.concurrency or args.rate is not None
-                or args.methods.strip() != "none")
+OFFLINE_METHODS = ("none", *FACTORIES)
+
+
+def run(engine, prompts, specs: dict, opts, *, chat: bool = False, batch_size: int = 1, repeats: int = 1,
+        progress: bool = True) -> list[dict]:
+    """One row per (repeat, method, prompt): tokens, tau, times, counters. Methods are interleaved."""
+    from tqdm import tqdm
+
+    rows = []
+    kw = dataclasses.asdict(opts)
+    with tqdm(total=repeats * len(specs) * len(prompts), desc="bench", unit="prompt", file=sys.stderr,
+              disable=not progress) as bar:
+        for rep in range(repeats):
+            for i in range(0, len(prompts), batch_size):
+                part = prompts[i:i + batch_size]
+                for m, spec in specs.items():
+                    bar.set_postfix_str(m)
+                    res = engine.generate([p.text for p in part], chat=chat, batch_size=batch_size,
+                                          spec=spec, **kw)
+                    rows += [dict(method=m, rep=rep, id=p.id, task=p.task, tokens=r.tokens,
+                                  new_tokens=r.new_tokens, forwards=r.target_forwards, wall_s=r.wall_s,
+                                  ttft_s=r.ttft_s, compile_s=r.compile_s, counters=r.counters)
+                             for p, r in zip(part, res)]
+                    bar.update(len(part))
+    return rows
+
+
+def summarize(rows: list[dict], *, greedy: bool = True) -> list[dict]:
+    """Per (method, task class and "all"): tau, tok/s, speedup over none on the same prompts,
+    time to first token, compile time, acceptance per draft position, identity with none."""
+    from specjax import telemetry
+
+    tasks = sorted({str(r["task"]) for r in rows if r["task"] is not None})
+    base = {(r["rep"], r["id"]): r for r in rows if r["method"] == "none"}
+    out = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        for t in ["all"] + tasks:
+            sel = [r for r in rows if r["method"] == m and (t == "all" or str(r["task"]) == t)]
+            ref = [base[(r["rep"], r["id"])] for r in sel]
+            tok_s = sum(r["new_tokens"] for r in sel) / sum(r["wall_s"] for r in sel)
+            ref_tok_s = sum(r["new_tokens"] for r in ref) / sum(r["wall_s"] for r in ref)
+            c = telemetry.aggregate(r["counters"] for r in sel)
+            same = sum(r["tokens"] == x["tokens"] for r, x in zip(sel, ref))
+            out.append(dict(
+                method=m, task=t, prompts=len(sel),
+                tau=sum(r["new_tokens"] - 1 for r in sel) / max(1, sum(r["forwards"] for r in sel)),
+                tok_s=tok_s, speedup_vs_none=tok_s / ref_tok_s,
+                ttft_p50_s=statistics.median(r["ttft_s"] for r in sel),
+                compile_s=max(r["compile_s"] for r in sel), new_tokens=sum(r["new_tokens"] for r in sel),
+                accepted_tokens_per_pos=c.accepted_tokens_per_pos,
+                draft_acceptance_rate=c.draft_acceptance_rate,
+                greedy_identical_n=same if greedy else None))
+    return out
+
+
+def roofline(model) -> dict:
+    """Bandwidth measured here, the weights' bytes, the tok/s they allow, and 1/5/9-token forward costs."""
+    from specjax.models import loader
+
+    bw = measure_bandwidth()
+    wbytes = loader.weight_bytes(model)
+    return dict(bandwidth_gb_s=bw / 1e9, weight_bytes=wbytes, roofline_tok_s=bw / wbytes,
+                window_ms=window_costs(model))
 
 
 def main(args) -> int:
-    """`specjax bench`: the load test when prompts, methods or concurrency are given, else plain
-    decoding against HF transformers and the roofline on a synthetic prompt."""
-    if is_load_test(args):
-        from specjax import loadbench
-
-        return loadbench.main(args)
+    """The CLI entry: validates everything, loads the model, runs, prints and writes."""
+    from specjax.config import SpecConfig
     from specjax.engine import Engine, GenerateOptions
-    from specjax.models import loader
+    from specjax.prompts import Prompt, read_prompts
 
+    methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
+    bad = [m for m in methods if m not in OFFLINE_METHODS]
+    if bad:
+        hint = " (auto is a scheduler policy: see `specjax loadbench`)" if "auto" in bad else ""
+        raise ValueError(f"unknown method {bad[0]!r}: use one of {', '.join(OFFLINE_METHODS)}{hint}")
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()
-    args.repeats = 3 if args.repeats is None else args.repeats
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats}: must be >= 1")
-    engine = Engine.load(args.model, dtype=args.dtype)
-    lm_model, name = engine.model, engine.config.name
-    ids = engine.encode([SYNTHETIC_PROMPT], chat=args.chat)
-    print(f"model {name}, {args.max_new_tokens} new tokens, greedy, batch 1", file=sys.stderr)
-
-    from specjax.models import registry
-
-    bw = measure_bandwidth()
-    wbytes = loader.weight_bytes(lm_model)
-    roofline = bw / wbytes
-    windows = window_costs(lm_model)
-    ours: list[dict] = []
-    hf: list[dict] = []
-    hf_model = None
-    peak_ours = None
-    for rep in range(args.repeats):
-        for i, x in enumerate(ids):
-            r = engine.start([x], opts).run()[0]
-            ours.append(dict(rep=rep, prompt=i, tok_s=r.tok_per_s, ttft_s=r.ttft_s,
-                             compile_s=r.compile_s, tokens=r.tokens, wall_s=r.wall_s))
-        if peak_ours is None:
-            peak_ours = _peak_rss_bytes()
-        if args.no_hf:
-            continue
-        if hf_model is None:
-            try:
-                hf_model = _hf_model(str(registry.resolve(args.model)))
-            except ImportError:
-                print("HF transformers not installed (pip install -e '.[oracle]'); skipping it",
-                      file=sys.stderr)
-                args.no_hf = True
-                continue
-        for i, x in enumerate(ids):
-            toks, wall = _hf_generate(hf_model, x, args.max_new_tokens)
-            hf.append(dict(rep=rep, prompt=i, tok_s=len(toks) / wall, tokens=toks))
-
-    med = lambda rows, k: statistics.median(r[k] for r in rows) if rows else float("nan")
-    record = {
-        "model": name, "prompts": len(ids), "prompt_tokens": [len(x) for x in ids],
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "ours_tok_s": med(ours, "tok_s"), "ours_ttft_s": med(ours, "ttft_s"),
-        "ours_compile_s": max(r["compile_s"] for r in ours),
-        "hf_tok_s": med(hf, "tok_s"),
-        "bandwidth_gb_s": bw / 1e9, "weight_bytes": wbytes, "roofline_tok_s": roofline,
-        "window_ms": windows, "peak_rss_bytes_ours": peak_ours,
-    }
-    record["ratio_vs_hf"] = record["ours_tok_s"] / record["hf_tok_s"] if hf else None
-    record["fraction_of_roofline"] = record["ours_tok_s"] / roofline
-    if hf:
-        same = [o["tokens"] == h["tokens"] for o, h in zip(ours, hf)]
-        record["greedy_identical_to_hf"] = f"{sum(same)}/{len(same)}"
-    print(_markdown(record))
+    repeats = 1 if args.repeats is None else args.repeats
+    if repeats < 1 or args.batch_size < 1:
+        raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
+    if "draft" in methods and not args.draft_model:
+        raise ValueError("--methods includes draft: give --draft-model NAME")
+    tree = args.tree
+    if tree is not None and tree.lstrip().startswith("["):
+        tree = tuple(tuple(p) for p in json.loads(tree))
+    specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                           tree=tree if m == "medusa" else None) for m in methods}
+    if args.prompts_file:
+        tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
+        prompts = read_prompts(args.prompts_file, per_task=args.per_task, tasks=tasks)
+        if not prompts:
+            raise ValueError(f"no prompts left in {args.prompts_file} after --tasks/--per-task filtering")
+    else:
+        prompts = [Prompt(id=1, text=SYNTHETIC_PROMPT, task="synthetic")]
+    heads = (args.heads or "default") if "medusa" in methods else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    engine.check([p.text for p in prompts], opts, chat=args.chat)
+    for spec in specs.values():
+        engine.proposer(spec)
+    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"methods {', '.join(methods)}, batch {args.batch_size}, greedy", file=sys.stderr)
+    rows = run(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size, repeats=repeats)
+    records = summarize(rows)
+    extra = roofline(engine.model)
+    plain = next(r for r in records if r["method"] == "none" and r["task"] == "all")
+    extra["fraction_of_roofline"] = plain["tok_s"] / extra["roofline_tok_s"] if args.batch_size == 1 else None
+    if args.hf:
+        extra.update(_hf_baseline(args, engine, prompts, opts, rows))
+    print(markdown(records))
+    print()
+    print(_markdown(extra))
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
     return 0
+
+
+def _hf_baseline(args, engine, prompts, opts, rows) -> dict:
+    """HF transformers' greedy loop on the same prompts (batch 1), against our plain loop's tokens."""
+    from specjax.models import registry
+
+    try:
+        hf_model = _hf_model(str(registry.resolve(args.model)))
+    except ImportError:
+        raise ValueError("--hf needs HF transformers: pip install -e '.[oracle]'") from None
+    ids = engine.encode([p.text for p in prompts], chat=args.chat)
+    ours = {r["id"]: r["tokens"] for r in rows if r["method"] == "none" and r["rep"] == 0}
+    toks, walls, same = 0, 0.0, 0
+    for p, x in zip(prompts, ids):
+        out, wall = _hf_generate(hf_model, x, opts.max_new_tokens)
+        toks, walls = toks + len(out), walls + wall
+        same += out == ours[p.id][: len(out)]
+    return dict(hf_tok_s=toks / walls, greedy_identical_to_hf=f"{same}/{len(prompts)}")
+
+
+def markdown(records: list[dict]) -> str:
+    head = ("| method | task | prompts | tau | tok/s | speedup vs none | TTFT p50 | compile | accepted per "
+            "position | identical |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = [f"| {r['method']} | {r['task']} | {r['prompts']} | {r['tau']:.2f} | {r['tok_s']:.1f} | "
+            f"{r['speedup_vs_none']:.2f}x | {r['ttft_p50_s'] * 1e3:.0f} ms | {r['compile_s']:.1f} s | "
+            f"{r['accepted_tokens_per_pos'] or ''} | {r['greedy_identical_n']}/{r['prompts']} |"
+            for r in records]
+    return head + "\n".join(rows)
 
 
 def _markdown(r: dict) -> str:
     w = r["window_ms"]
     rows = [
-        ("ours tok/s (median)", f"{r['ours_tok_s']:.1f}"),
-        ("HF transformers tok/s (median)", f"{r['hf_tok_s']:.1f}"),
-        ("ratio ours / HF", f"{r['ratio_vs_hf']:.2f}x" if r["ratio_vs_hf"] else "n/a"),
         ("measured bandwidth", f"{r['bandwidth_gb_s']:.1f} GB/s"),
         ("roofline (bandwidth / weight bytes)", f"{r['roofline_tok_s']:.1f} tok/s "
                                                 f"({r['weight_bytes'] / 1e6:.0f} MB of weights)"),
-        ("fraction of roofline", f"{100 * r['fraction_of_roofline']:.0f}%"),
-        ("time to first token", f"{r['ours_ttft_s'] * 1e3:.0f} ms"),
-        ("compile time", f"{r['ours_compile_s']:.1f} s"),
+        ("plain loop, fraction of roofline", "n/a (batch > 1)" if r["fraction_of_roofline"] is None
+         else f"{100 * r['fraction_of_roofline']:.0f}%"),
         ("forward ms, 1 / 5 / 9 new tokens", " / ".join(f"{w[t]:.1f}" for t in sorted(w))),
         ("5-token / 1-token forward", f"{w[5] / w[1]:.2f}x"),
         ("9-token / 1-token forward", f"{w[9] / w[1]:.2f}x"),
-        ("peak RSS (ours, before HF loads)", f"{r['peak_rss_bytes_ours'] / 2**30:.2f} GiB"),
     ]
-    if "greedy_identical_to_hf" in r:
-        rows.append(("greedy tokens identical to HF", r["greedy_identical_to_hf"]))
+    if "hf_tok_s" in r:
+        rows += [("HF transformers tok/s (plain, batch 1)", f"{r['hf_tok_s']:.1f}"),
+                 ("greedy tokens identical to HF", r["greedy_identical_to_hf"])]
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)

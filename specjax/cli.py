@@ -1,4 +1,4 @@
-"""`specjax` command line: generate, bench, train-heads."""
+"""`specjax` command line: generate, bench (offline), loadbench (under load), train-heads, tune-heads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 
 from specjax.prompts import Prompt, read_prompts
+from specjax.proposers.registry import FACTORIES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,13 +26,20 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+def _add_prompt_filter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts-file", default=None,
+                   help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
+    p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
+    p.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
+
+
+def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: str = "none") -> None:
     if many:
-        p.add_argument("--methods", default="none",
-                       help="comma-separated: none,ngram,draft,medusa,auto (none is always measured "
-                            "as baseline; auto lets the controller pick K or plain per chunk)")
+        p.add_argument("--methods", default=default,
+                       help="comma-separated: none,ngram,draft,medusa (bench), and auto (loadbench); "
+                            "none is always measured as the baseline")
     else:
-        p.add_argument("--method", default="none", choices=["none", "ngram", "draft", "medusa"],
+        p.add_argument("--method", default="none", choices=["none", *FACTORIES],
                        help="speculation method (none = plain decoding)")
     p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft")
@@ -118,6 +126,12 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def cmd_loadbench(args) -> int:
+    from specjax import loadbench
+
+    return loadbench.main(args)
+
+
 def cmd_tune_heads(args) -> int:
     import pathlib
 
@@ -176,32 +190,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="load test: methods x concurrency per task class (or, with no "
-                                     "prompts/methods/concurrency, plain vs HF and the roofline)")
+    b = sub.add_parser("bench", help="offline: the plain loop and each method side by side on the same "
+                                     "prompts, per task class, with the roofline")
     _add_model_args(b)
-    _add_spec_args(b, many=True)
-    b.add_argument("--prompts-file", default=None,
-                   help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
-    b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
-    b.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
+    _add_spec_args(b, many=True, default="none,ngram")
+    _add_prompt_filter_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--concurrency", default=None,
-                   help="comma-separated batch slots (concurrent clients), default 1,4,16")
-    b.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals per second instead of closed-loop clients")
-    b.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
-    b.add_argument("--auto-k", default="2,4,8", help="speculation lengths the auto controller may pick "
-                                                    "(0 = plain is always one)")
-    b.add_argument("--repeats", type=int, default=None, help="default 3 (roofline), 1 (load test)")
-    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    b.add_argument("--batch-size", type=int, default=1, help="prompts per compiled batch")
+    b.add_argument("--repeats", type=int, default=1, help="runs over all prompts, interleaved")
     b.add_argument("--chat", action="store_true")
+    b.add_argument("--hf", action="store_true", help="also time HF transformers' plain loop (oracle extra)")
     b.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
-    b.add_argument("--telemetry", default=None,
-                   help="write vLLM-shaped speculation counters (JSON lines) to this path")
-    b.add_argument("--runs-json", default=None,
-                   help="write per-run details (calibrated step costs, chunks per K) to this path")
-    b.add_argument("--plots", default=None, help="directory for matplotlib plots (the plot extra)")
     b.set_defaults(func=cmd_bench)
+
+    lb = sub.add_parser("loadbench", help="load test: methods x concurrency through the continuous-"
+                                          "batching scheduler, per task class")
+    _add_model_args(lb)
+    _add_spec_args(lb, many=True, default="none,ngram,auto")
+    _add_prompt_filter_args(lb)
+    lb.add_argument("--max-new-tokens", type=int, default=128)
+    lb.add_argument("--concurrency", default=None,
+                    help="comma-separated batch slots (concurrent clients), default 1,4,16")
+    lb.add_argument("--rate", type=float, default=None,
+                    help="Poisson arrivals per second instead of closed-loop clients")
+    lb.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    lb.add_argument("--auto-k", default="2,4,8", help="speculation lengths the auto controller may pick "
+                                                      "(0 = plain is always one)")
+    lb.add_argument("--repeats", type=int, default=None, help="default 1")
+    lb.add_argument("--chat", action="store_true")
+    lb.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
+    lb.add_argument("--telemetry", default=None,
+                    help="write vLLM-shaped speculation counters (JSON lines) to this path")
+    lb.add_argument("--runs-json", default=None,
+                    help="write per-run details (calibrated step costs, chunks per K) to this path")
+    lb.add_argument("--plots", default=None, help="directory for matplotlib plots (the plot extra)")
+    lb.set_defaults(func=cmd_loadbench)
+
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
     t.add_argument("--out", required=True, help="run directory: heads (for --heads), checkpoints, metrics")

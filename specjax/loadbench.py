@@ -33,8 +33,9 @@ import numpy as np
 
 from specjax.config import SpecConfig
 from specjax.controller import ControllerConfig
+from specjax.proposers.registry import FACTORIES
 
-LOAD_METHODS = ("none", "ngram", "draft", "medusa", "auto")
+LOAD_METHODS = ("none", *FACTORIES, "auto")
 DEFAULT_CONCURRENCY = (1, 4, 16)
 
 

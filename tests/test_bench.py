@@ -1,4 +1,4 @@
-"""`specjax bench` under load: records, tables, plots, telemetry; bad input fails before loading."""
+"""`specjax loadbench` under load and `specjax bench` offline: records, tables, plots, telemetry; bad input fails before loading."""
 
 import json
 
@@ -104,7 +104,7 @@ def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, 
     if "BAD" in argv:
         files["BAD"] = _write(tmp_path, '{"question_id": 1, "task": "qa", "turns": ["hi"]}\n{"task": "qa"\n')
     argv = [files.get(a, a) for a in argv]
-    assert cli.main(["bench", "--methods", "none,ngram", *argv]) == 2
+    assert cli.main(["loadbench", "--methods", "none,ngram", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
 
@@ -124,3 +124,46 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
     tree = SpecConfig(method="medusa", tree="small")
     auto, named = loadbench._with_medusa(eng, ControllerConfig(ks=(0, 4)), tree)
     assert auto.options[-2:] == (("medusa", 4), ("medusa-tree", tree.k)) and named["medusa-tree"] == tree
+
+
+# ---- `specjax bench`: offline, methods side by side ------------------------------------------------
+
+
+def test_offline_bench_side_by_side(tiny_model):
+    from specjax import bench
+    from specjax.config import SpecConfig
+
+    eng = Engine(tiny_model)
+    prompts = [Prompt(1, [5, 9, 12, 5, 9, 12, 5, 9], "copy"), Prompt(2, [40, 41, 42, 43, 40], "chat"),
+               Prompt(3, [3, 4, 5, 3, 4, 5], "copy")]
+    specs = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4)}
+    rows = bench.run(eng, prompts, specs, GenerateOptions(max_new_tokens=12, stop_ids=()), batch_size=2,
+                     repeats=2, progress=False)
+    assert len(rows) == 2 * 2 * 3
+    records = bench.summarize(rows)
+    assert [(r["method"], r["task"]) for r in records] == [
+        ("none", "all"), ("none", "chat"), ("none", "copy"), ("ngram", "all"), ("ngram", "chat"), ("ngram", "copy")]
+    for r in records:
+        assert r["greedy_identical_n"] == r["prompts"] and r["tok_s"] > 0 and r["speedup_vs_none"] > 0
+    none_all = records[0]
+    assert none_all["tau"] == 1.0 and none_all["speedup_vs_none"] == 1.0 and none_all["prompts"] == 6
+    ngram_copy = records[-1]
+    assert ngram_copy["tau"] > 1 and len(ngram_copy["accepted_tokens_per_pos"]) == 4
+    assert "| ngram | copy | 4 |" in bench.markdown(records)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--methods", "none,auto"], "specjax loadbench"),
+    (["--methods", "bogus"], "unknown method 'bogus'"),
+    (["--methods", "draft"], "draft-model"),
+    (["--batch-size", "0"], "batch-size"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_offline_bench_bad_input_fails_before_loading(argv, match, monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(Engine, "load", no_load)
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err

@@ -1,0 +1,106 @@
+"""Side-by-side regression check of two commits in one run: plain and every method, same prompts.
+
+Each commit is checked out into a temporary worktree and imported from a symlink tree that mirrors
+the installed package layout (specjax/, specjax/models -> models/, specjax/train_heads ->
+train_heads/). Workers for the two commits alternate (A B A B ...), each in its own process, so
+drift on a busy machine spreads over both. Per commit and method: tokens per second (wall time
+includes time to first token, compile excluded), tau, time to first token and compile time.
+
+Usage:
+  python scripts/compare_commits.py BASE [HEAD] [--rounds 2] [--per-task 1] [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+METHODS = {"none": dict(), "ngram": dict(method="ngram", k=4), "medusa": dict(method="medusa", k=4),
+           "medusa-tree": dict(method="medusa", tree="heads")}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _package_tree(worktree: pathlib.Path, into: pathlib.Path) -> None:
+    pkg = into / "specjax"
+    pkg.mkdir(parents=True)
+    for entry in (worktree / "specjax").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    (pkg / "models").symlink_to(worktree / "models")
+    (pkg / "train_heads").symlink_to(worktree / "train_heads")
+
+
+def worker(args) -> None:
+    sys.path.insert(0, args.worker)
+    from specjax.config import SpecConfig
+    from specjax.engine import Engine
+    from specjax.prompts import read_prompts
+
+    prompts = read_prompts(args.prompts_file, per_task=args.per_task)
+    eng = Engine.load("smollm2-135m", heads="default")
+    rows = []
+    for p in prompts:
+        for m, kw in METHODS.items():
+            r = eng.generate([p.text], chat=True, max_new_tokens=args.max_new_tokens, spec=SpecConfig(**kw))[0]
+            tau = r.tau if hasattr(r, "tau") else r.extra["tau"]
+            rows.append(dict(method=m, task=p.task, tokens=r.tokens, new=r.new_tokens, wall=r.wall_s,
+                             ttft=r.ttft_s, compile=r.compile_s, tau=tau, fwd=r.target_forwards))
+    print(json.dumps(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base")
+    ap.add_argument("head", nargs="?", default="HEAD")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--per-task", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared/data/specbench-dev.jsonl"))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="specjax-compare-"))
+    trees = {}
+    for name in (args.base, args.head):
+        wt = tmp / f"wt-{len(trees)}"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), name], check=True,
+                       capture_output=True)
+        _package_tree(wt, tmp / f"pkg-{len(trees)}")
+        trees[name] = tmp / f"pkg-{len(trees)}"
+    results: dict[str, list] = {n: [] for n in trees}
+    try:
+        for rnd in range(args.rounds):
+            for name, pkg in trees.items():
+                print(f"round {rnd + 1}: {name}", file=sys.stderr, flush=True)
+                out = subprocess.run([sys.executable, __file__, name, "--worker", str(pkg), "--per-task",
+                                      str(args.per_task), "--max-new-tokens", str(args.max_new_tokens),
+                                      "--prompts-file", args.prompts_file], check=True, capture_output=True,
+                                     text=True, env=dict(os.environ, PYTHONPATH=str(pkg)))
+                results[name] += json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        for i in range(len(trees)):
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / f"wt-{i}")],
+                           capture_output=True)
+    print(f"| method | commit | tok/s | tau | TTFT p50 | compile (max) | identical to base |")
+    print("|---|---|---|---|---|---|---|")
+    base_tokens = {}
+    for m in METHODS:
+        for name, rows in results.items():
+            sel = [r for r in rows if r["method"] == m]
+            if name == args.base:
+                base_tokens[m] = [r["tokens"] for r in sel]
+            same = sum(a["tokens"] == b for a, b in zip(sel, base_tokens[m]))
+            print(f"| {m} | {name[:10]} | {sum(r['new'] for r in sel) / sum(r['wall'] for r in sel):.1f} | "
+                  f"{sum(r['new'] - 1 for r in sel) / sum(r['fwd'] for r in sel):.2f} | "
+                  f"{statistics.median(r['ttft'] for r in sel) * 1e3:.0f} ms | "
+                  f"{max(r['compile'] for r in sel):.1f} s | {same}/{len(sel)} |")
+
+
+if __name__ == "__main__":
+    main()
