@@ -170,9 +170,9 @@ def roofline(model) -> dict:
 
 def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
-    from specjax.config import SpecConfig
+    from specjax.config import SpecConfig, parse_tree
     from specjax.engine import Engine, GenerateOptions
-    from specjax.prompts import Prompt, read_prompts
+    from specjax.prompts import bench_prompts
 
     methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
     bad = [m for m in methods if m not in OFFLINE_METHODS]
@@ -186,18 +186,10 @@ def main(args) -> int:
         raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
     if "draft" in methods and not args.draft_model:
         raise ValueError("--methods includes draft: give --draft-model NAME")
-    tree = args.tree
-    if tree is not None and tree.lstrip().startswith("["):
-        tree = tuple(tuple(p) for p in json.loads(tree))
+    tree = parse_tree(args.tree)
     specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                            tree=tree if m == "medusa" else None) for m in methods}
-    if args.prompts_file:
-        tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-        prompts = read_prompts(args.prompts_file, per_task=args.per_task, tasks=tasks)
-        if not prompts:
-            raise ValueError(f"no prompts left in {args.prompts_file} after --tasks/--per-task filtering")
-    else:
-        prompts = [Prompt(id=1, text=SYNTHETIC_PROMPT, task="synthetic")]
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
     heads = (args.heads or "default") if "medusa" in methods else None
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
     engine.check([p.text for p in prompts], opts, chat=args.chat)

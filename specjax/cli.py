@@ -26,11 +26,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _add_prompt_filter_args(p: argparse.ArgumentParser) -> None:
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    """What both benches share: the prompts, the budget, the chat template, the JSON output."""
     p.add_argument("--prompts-file", default=None,
                    help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
     p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
     p.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: str = "none") -> None:
@@ -55,13 +59,11 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
 
 
 def _spec(args):
-    from specjax.config import SpecConfig
+    from specjax.config import SpecConfig, parse_tree
 
     if args.method == "none":
         return SpecConfig()
-    tree = getattr(args, "tree", None)
-    if tree is not None and tree.lstrip().startswith("["):
-        tree = tuple(tuple(p) for p in json.loads(tree))
+    tree = parse_tree(getattr(args, "tree", None))
     return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                       tree=tree)
 
@@ -194,21 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "prompts, per task class, with the roofline")
     _add_model_args(b)
     _add_spec_args(b, many=True, default="none,ngram")
-    _add_prompt_filter_args(b)
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    _add_bench_args(b)
     b.add_argument("--batch-size", type=int, default=1, help="prompts per compiled batch")
     b.add_argument("--repeats", type=int, default=1, help="runs over all prompts, interleaved")
-    b.add_argument("--chat", action="store_true")
     b.add_argument("--hf", action="store_true", help="also time HF transformers' plain loop (oracle extra)")
-    b.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
     b.set_defaults(func=cmd_bench)
 
     lb = sub.add_parser("loadbench", help="load test: methods x concurrency through the continuous-"
                                           "batching scheduler, per task class")
     _add_model_args(lb)
     _add_spec_args(lb, many=True, default="none,ngram,auto")
-    _add_prompt_filter_args(lb)
-    lb.add_argument("--max-new-tokens", type=int, default=128)
+    _add_bench_args(lb)
     lb.add_argument("--concurrency", default=None,
                     help="comma-separated batch slots (concurrent clients), default 1,4,16")
     lb.add_argument("--rate", type=float, default=None,
@@ -217,8 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--auto-k", default="2,4,8", help="speculation lengths the auto controller may pick "
                                                       "(0 = plain is always one)")
     lb.add_argument("--repeats", type=int, default=None, help="default 1")
-    lb.add_argument("--chat", action="store_true")
-    lb.add_argument("--json", dest="json_path", default=None, help="write the records to this path")
     lb.add_argument("--telemetry", default=None,
                     help="write vLLM-shaped speculation counters (JSON lines) to this path")
     lb.add_argument("--runs-json", default=None,

@@ -21,6 +21,15 @@ TREES: dict[str, Tree] = {
 HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
 
 
+def parse_tree(text: str | None) -> Tree | str | None:
+    """A `--tree` flag: a name (kept as is, resolved by `SpecConfig`) or paths as JSON."""
+    if text is not None and text.lstrip().startswith("["):
+        import json
+
+        return tuple(tuple(p) for p in json.loads(text))
+    return text
+
+
 def chain(k: int) -> Tree:
     return tuple((0,) * i for i in range(1, k + 1))
 
@@ -52,6 +61,9 @@ class SpecConfig:
       k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
         For medusa chains, k <= the number of heads.
       ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
+      ngram_table: prompt lookup only: slots of a cross-request n-gram table in the loop state
+        (`specjax.ngram_table`; 0 = off), consulted when a row's own context has no match. The
+        Engine starts each batch with an empty table; the Scheduler keeps one across requests.
       tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
         first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
         (resolved by the Engine). None = a chain of k heads' top-1.
@@ -64,6 +76,7 @@ class SpecConfig:
     k: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
+    ngram_table: int = 0
     tree: Tree | str | None = None
     typical: tuple[float, float] | None = None
 
@@ -96,10 +109,23 @@ class SpecConfig:
             return
         if int(self.k) != self.k or not 1 <= self.k <= MAX_K:
             raise ValueError(f"k={self.k}: must be an integer in [1, {MAX_K}]")
+        if int(self.ngram_table) != self.ngram_table or self.ngram_table < 0:
+            raise ValueError(f"ngram_table={self.ngram_table}: give the table's slots (>= 1), or 0 for none")
+        if self.ngram_table and self.method != "ngram":
+            raise ValueError("ngram_table= applies to method 'ngram' (prompt lookup) only")
         if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need "
                 "1 <= ngram_min <= ngram_max")
+
+    def table_config(self, width: int | None = None):
+        """The n-gram table this spec asks for (None when off); `width` >= k followers per entry."""
+        from specjax.ngram_table import TableConfig
+
+        if not self.ngram_table:
+            return None
+        lo = min(max(2, self.ngram_min), self.ngram_max)  # 1-grams across requests are mostly noise
+        return TableConfig(size=self.ngram_table, width=max(self.k, width or 0), min_n=lo, max_n=self.ngram_max)
 
     @property
     def is_tree(self) -> bool:

@@ -41,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from specjax import acceptance, sampling, tree
 from specjax.config import chain
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
+from specjax.ngram_table import NgramTable, TableConfig
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.state import DecodeState, commit, commit_path, insert_row, last_tokens, step_keys
 
@@ -88,12 +89,14 @@ class Inputs:
     sampling: SamplingParams
     stop_ids: Int[Array, "B E"]  # padded with -1
     keys: Array  # [B] PRNG keys
+    contribute: Bool[Array, "B"]  # the row's text may enter a cross-request n-gram table
 
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, bucket: int | None = None,
                batch_size: int | None = None, max_new_tokens: int | Sequence[int] = 128,
                temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (),
-               seed: int | Sequence[int] = 0, row_ids: Sequence[int] | None = None) -> "Inputs":
+               seed: int | Sequence[int] = 0, row_ids: Sequence[int] | None = None,
+               contribute: bool | Sequence[bool] = True) -> "Inputs":
         """Pads token-id prompts into a batch.
 
         Args:
@@ -106,6 +109,7 @@ class Inputs:
           seed, row_ids: row r's key is `fold_in(key(seed), row_ids[r])`; row ids default to
             0..B-1. Give each row its global index (or request id) so that no two rows of any
             batch share a random stream.
+          contribute: whether each row's text may enter a cross-request n-gram table.
         """
         n = len(prompts)
         if n == 0:
@@ -123,7 +127,7 @@ class Inputs:
             raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
         per_row = {name: _per_row(v, n, name) for name, v in
                    dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p).items()}
+                        top_p=top_p, contribute=contribute).items()}
         for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
             sampling.validate(t, k, tp)
         if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
@@ -145,7 +149,8 @@ class Inputs:
             sampling=SamplingParams(temperature=jnp.asarray(fill("temperature", 0.0), jnp.float32),
                                     top_k=jnp.asarray(fill("top_k", 0), jnp.int32),
                                     top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
-            stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]))
+            stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]),
+            contribute=jnp.asarray(fill("contribute", False), bool))
 
     @property
     def batch_size(self) -> int:
@@ -215,12 +220,15 @@ class Decoder:
         the sampling method and the window's shape (`acceptance.default_rule`).
       sampling: "greedy" (argmax) or "sample" (per-row temperature / top-k / top-p; rows at
         temperature 0 stay greedy), or a `SamplingConfig`.
+      ngram_table: a cross-request n-gram table in the state (`specjax.ngram_table`): every
+        commit writes to it and prompt lookup reads it when a row's own context has no match.
     """
 
     cache_length: int
     proposer: Any = None
     acceptance: Any = None
     sampling: SamplingConfig | str = SamplingConfig()
+    ngram_table: TableConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.sampling, str):
@@ -274,7 +282,9 @@ class Decoder:
             tokens=tokens, lengths=inputs.prompt_lengths.astype(jnp.int32),
             prompt_lengths=inputs.prompt_lengths.astype(jnp.int32), max_new=inputs.max_new.astype(jnp.int32),
             done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
-            keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32))
+            keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32),
+            table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table),
+            contribute=inputs.contribute)
         first = sampling.sample(self.sampling, step_keys(state), logits, inputs.sampling)
         state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
         return state, hidden

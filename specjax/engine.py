@@ -245,7 +245,8 @@ class Engine:
             window = 1 if proposer is None else tree.topology(proposer.paths).width
             cache_length = core.cache_length(prompt_bucket, max_new_tokens, max(window, headroom))
         dec = Decoder(cache_length=cache_length, proposer=proposer, sampling=sampling,
-                      acceptance=registry.acceptance_rule(spec) if proposer is not None else None)
+                      acceptance=registry.acceptance_rule(spec) if proposer is not None else None,
+                      ngram_table=spec.table_config())
         return dec, pparams
 
     # ---- input handling ------------------------------------------------------------------------

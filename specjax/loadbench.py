@@ -14,7 +14,8 @@ Reported per (method, concurrency, task class, and "all"):
   (per-task throughput is not defined when the classes share batches);
 - ttft_p50_s, itl_p50_s, itl_p99_s: time to first token (from arrival) and per-token inter-token
   latency (a chunk's gap spread over the tokens it brought);
-- memory: target weights, draft/heads weights, caches (decode state and proposer state), their sum
+- memory: target weights, draft/heads weights, caches (decode state and proposer state), the
+  cross-request n-gram table, their sum
   (peak_mem_bytes: what the run keeps on the device), and the process's peak RSS;
 - greedy_identical: every request's tokens equal those of `none` at the same concurrency.
 """
@@ -171,11 +172,11 @@ def summarize(req_rows: list[dict], run_rows: list[dict], *, greedy: bool = True
             key = "throughput_tok_s" if t == "all" else "request_tok_s"
             rec["speedup_vs_none"] = rec[key] / ref[key]
             same = sum(r["tokens"] == x["tokens"] for r, x in zip(sel, b))
-            mem = {k: max(r[k] for r in runs) for k in ("target_weight_bytes", "draft_weight_bytes",
-                                                         "cache_bytes", "peak_rss_bytes")}
+            mem = {k: max(r.get(k, 0) for r in runs) for k in (
+                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes", "peak_rss_bytes")}
             out.append(dict(method=m, concurrency=c, task=t, requests=len(sel), **rec,
                             peak_mem_bytes=mem["target_weight_bytes"] + mem["draft_weight_bytes"]
-                            + mem["cache_bytes"], **mem,
+                            + mem["cache_bytes"] + mem["ngram_table_bytes"], **mem,
                             greedy_identical=(same == len(sel)) if greedy else None,
                             greedy_identical_n=same if greedy else None))
     return out
@@ -202,10 +203,11 @@ def markdown(records: list[dict]) -> str:
             f"{'' if r['greedy_identical'] is None else r['greedy_identical_n']}/{r['requests']} |"
             for r in records]
     mib = lambda x: f"{x / 2**20:.0f} MiB"
-    mem = ("\n\n| method | conc. | target weights | draft/heads | caches | total | peak RSS |\n"
-           "|---|---|---|---|---|---|---|\n")
+    mem = ("\n\n| method | conc. | target weights | draft/heads | caches | n-gram table | total | peak RSS |\n"
+           "|---|---|---|---|---|---|---|---|\n")
     mem += "\n".join(f"| {r['method']} | {r['concurrency']} | {mib(r['target_weight_bytes'])} | "
-                     f"{mib(r['draft_weight_bytes'])} | {mib(r['cache_bytes'])} | {mib(r['peak_mem_bytes'])} | "
+                     f"{mib(r['draft_weight_bytes'])} | {mib(r['cache_bytes'])} | "
+                     f"{r['ngram_table_bytes'] / 2**20:.1f} MiB | {mib(r['peak_mem_bytes'])} | "
                      f"{mib(r['peak_rss_bytes'])} |" for r in records if r["task"] == "all")
     note = ("\n\ntok/s: throughput over the run for task `all`; per task, tokens over summed request "
             "latency (what one client sees), which is also what the per-task speedup compares.")
@@ -274,7 +276,8 @@ def telemetry_rows(req_rows: list[dict]) -> list[dict]:
 def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
     from specjax.engine import GenerateOptions
-    from specjax.prompts import Prompt, read_prompts
+    from specjax.config import parse_tree
+    from specjax.prompts import bench_prompts
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     auto_ks = _int_list(args.auto_k, "auto-k")
@@ -287,18 +290,10 @@ def main(args) -> int:
         raise ValueError("--methods includes draft: give --draft-model NAME")
     specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
              for m in ("ngram", "draft") if m in plan.methods}
-    if args.prompts_file:
-        tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-        prompts = read_prompts(args.prompts_file, per_task=args.per_task, tasks=tasks)
-        if not prompts:
-            raise ValueError(f"no prompts left in {args.prompts_file} after --tasks/--per-task filtering")
-    else:
-        from specjax.bench import SYNTHETIC_PROMPT
+    from specjax.bench import SYNTHETIC_PROMPT
 
-        prompts = [Prompt(id=1, text=SYNTHETIC_PROMPT)]
-    tree = args.tree
-    if tree is not None and tree.lstrip().startswith("["):
-        tree = tuple(tuple(p) for p in json.loads(tree))
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
+    tree = parse_tree(args.tree)
     if "medusa" in plan.methods:
         specs["medusa"] = SpecConfig(method="medusa", k=args.k, tree=tree)
     engine = _load(args, plan)

@@ -61,3 +61,15 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
                 kept.append(p)
         prompts = kept
     return prompts
+
+
+def bench_prompts(path: str | None, *, per_task: int | None, tasks: str | None, default: str) -> list[Prompt]:
+    """The prompts of a bench run: `path` filtered by task (comma-separated) and per-task count, or
+    one `default` prompt when no file is given."""
+    if not path:
+        return [Prompt(id=1, text=default, task="synthetic")]
+    keep = tuple(t.strip() for t in tasks.split(",")) if tasks else None
+    prompts = read_prompts(path, per_task=per_task, tasks=keep)
+    if not prompts:
+        raise ValueError(f"no prompts left in {path} after --tasks/--per-task filtering")
+    return prompts

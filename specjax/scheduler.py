@@ -51,6 +51,7 @@ from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters
 
 _STATICS = ("graphdef", "base", "decoders")
+NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
@@ -96,6 +97,7 @@ class Request:
     task: str | None = None
     arrival: float | None = None  # None: as soon as a slot is free (a closed-loop client)
     opt_out: bool = False
+    contribute: bool = True  # its text may enter the cross-request n-gram table
     seed: int = 0
     temperature: float = 0.0
     top_k: int = 0
@@ -155,13 +157,17 @@ class Scheduler:
       auto_specs: for "auto", the `SpecConfig` behind an option's method label when it is not
         simply `SpecConfig(method=label, k=K)`; e.g. {"medusa-tree": SpecConfig(method="medusa",
         tree="heads")} with ("medusa-tree", depth) in `ControllerConfig.extra`.
+      ngram_table: slots of the cross-request n-gram table that every committed token of every
+        request updates and prompt lookup consults (`specjax.ngram_table`); it lives in the batch
+        state, so every option's chunks (plain included) feed it, and slot refills keep it. None:
+        `NGRAM_TABLE_SLOTS` when prompt lookup is among the options, else none; 0: none.
       clock: seconds; `time.perf_counter` by default.
     """
 
     def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
                  controller: ControllerConfig | None = None, opts: GenerateOptions = GenerateOptions(),
                  chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
-                 auto_specs: dict[str, SpecConfig] | None = None,
+                 auto_specs: dict[str, SpecConfig] | None = None, ngram_table: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
@@ -185,6 +191,15 @@ class Scheduler:
         self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs else ()) + tuple(self.specs)
         for s in self.specs.values():
             engine.proposer(s)  # raises before compiling (heads missing, k too large, ...)
+        lookups = [s for s in self.specs.values() if s.method == "ngram"]
+        if ngram_table is None:
+            ngram_table = NGRAM_TABLE_SLOTS if lookups else 0
+        self.table = None
+        if ngram_table:
+            if not lookups:
+                raise ValueError("ngram_table needs prompt lookup among the options (spec ngram or auto)")
+            widest = max(lookups, key=lambda s: s.k)
+            self.table = dataclasses.replace(widest, ngram_table=int(ngram_table)).table_config()
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         self.requests: list[Request] = []
@@ -204,13 +219,15 @@ class Scheduler:
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], *, task: str | None = None,
-               arrival: float | None = None, opt_out: bool = False, max_new_tokens: int | None = None,
+               arrival: float | None = None, opt_out: bool = False, contribute: bool = True,
+               max_new_tokens: int | None = None,
                seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
-        lands in. Sampling values default to the scheduler's options.
+        lands in. Sampling values default to the scheduler's options. `opt_out`: never speculated
+        on; `contribute=False` (implied by opt_out): its text never enters the n-gram table.
         """
         m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
         if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
@@ -229,7 +246,8 @@ class Scheduler:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
                              f"{self.bucket}; pass max_prompt_tokens= when creating it")
         req = Request(id=len(self.requests), ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
-                      opt_out=opt_out, seed=self.opts.seed if seed is None else seed, **sp)
+                      opt_out=opt_out, contribute=contribute and not opt_out,
+                      seed=self.opts.seed if seed is None else seed, **sp)
         self.requests.append(req)
         self.queue.append(req)
         return req.id
@@ -266,7 +284,8 @@ class Scheduler:
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
         self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length) for o, (d, _) in built.items()}
-        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc)
+        self.decoders = {o: dataclasses.replace(d, ngram_table=self.table) for o, d in self.decoders.items()}
+        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table)
         self._pparams = tuple(built[o][1] for o in self.specs)
         self._pp = dict(zip(self.specs, self._pparams))
         self._statics = dict(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
@@ -308,7 +327,7 @@ class Scheduler:
         inputs = Inputs.create([req.ids], bucket=p, max_new_tokens=req.max_new_tokens,
                                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                stop_ids=self.engine.stop_ids(self.opts), seed=req.seed,
-                               row_ids=[max(req.id, 0)])
+                               row_ids=[max(req.id, 0)], contribute=req.contribute)
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 
@@ -474,6 +493,7 @@ class Scheduler:
         if not self.engine.config.tie_embeddings:
             shared |= {id(self.engine.model.lm_head[...])}
         extra = {id(x): x for pp in self._pparams for x in jax.tree.leaves(pp) if id(x) not in shared}
+        table = nbytes(self.state.table)
         return dict(target_weight_bytes=nbytes(self.engine.params),
                     draft_weight_bytes=nbytes(list(extra.values())),
-                    cache_bytes=nbytes(self.state) + nbytes(self.pstates))
+                    cache_bytes=nbytes(self.state) - table + nbytes(self.pstates), ngram_table_bytes=table)

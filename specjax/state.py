@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Int
 
-from specjax import tree
+from specjax import ngram_table, tree
 from specjax.models.kv_cache import KVCache
+from specjax.ngram_table import NgramTable
 from specjax.sampling import SamplingParams
 
 
@@ -30,6 +31,8 @@ class DecodeState:
     keys: Array  # [B] PRNG keys, one stream per row
     forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
     row_forwards: Int[Array, "B"]  # target forwards while each row was still active
+    table: NgramTable | None = None  # the cross-request n-gram table, shared by all rows
+    contribute: Bool[Array, "B"] | None = None  # rows whose text may enter the table (None: all)
 
     @property
     def num_new(self) -> Int[Array, "B"]:
@@ -81,6 +84,10 @@ def commit(
     vals = jnp.where(j < take[:, None], new, old)
     tokens = state.tokens.at[rows, cols].set(vals, mode="drop")
     lengths = state.lengths + take
+    table = state.table
+    if table is not None:
+        contribute = jnp.ones_like(state.done) if state.contribute is None else state.contribute
+        table = ngram_table.add(table, tokens, state.lengths, take, w, contribute)
     stopped = (stop & (j < take[:, None])).any(axis=1)
     done = (
         state.done
@@ -88,7 +95,7 @@ def commit(
         | (lengths - state.prompt_lengths >= state.max_new)
         | (lengths + window > state.capacity)
     )
-    return state.replace(tokens=tokens, lengths=lengths, done=done), take
+    return state.replace(tokens=tokens, lengths=lengths, done=done, table=table), take
 
 
 def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], accepted,
@@ -114,8 +121,16 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], ac
 def insert_row(batch, row, slot: Int[Array, ""]):
     """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
 
-    Scalars (the batch's step counter) keep the batch's value. This is what continuous batching
-    needs: a request prefilled alone is scattered into a running batch; other rows do not move.
+    Scalars (the batch's step counter) and the shared n-gram table keep the batch's values. This is
+    what continuous batching needs: a request prefilled alone is scattered into a running batch;
+    other rows do not move.
     """
     put = lambda big, small: big.at[slot].set(small[0]) if big.ndim else big
+    if isinstance(batch, DecodeState) and batch.table is not None:
+        out = insert_row(batch.replace(table=None), row.replace(table=None), slot)
+        return out.replace(table=batch.table)
+    inner = getattr(batch, "decode", None)
+    if isinstance(inner, DecodeState) and inner.table is not None:  # a decoder.State
+        rest = jax.tree.map(put, batch.replace(decode=None), row.replace(decode=None))
+        return rest.replace(decode=insert_row(inner, row.decode, slot))
     return jax.tree.map(put, batch, row)

@@ -95,7 +95,7 @@ def _write(tmp_path, text):
     (["--methods", "draft"], "draft-model"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
 ])
-def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
+def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys, command="loadbench"):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
@@ -104,7 +104,8 @@ def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, 
     if "BAD" in argv:
         files["BAD"] = _write(tmp_path, '{"question_id": 1, "task": "qa", "turns": ["hi"]}\n{"task": "qa"\n')
     argv = [files.get(a, a) for a in argv]
-    assert cli.main(["loadbench", "--methods", "none,ngram", *argv]) == 2
+    head = ["--methods", "none,ngram"] if command == "loadbench" else []
+    assert cli.main([command, *head, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
 
@@ -159,11 +160,5 @@ def test_offline_bench_side_by_side(tiny_model):
     (["--batch-size", "0"], "batch-size"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
 ])
-def test_offline_bench_bad_input_fails_before_loading(argv, match, monkeypatch, capsys):
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before the input was checked")
-
-    monkeypatch.setattr(Engine, "load", no_load)
-    assert cli.main(["bench", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and match in err
+def test_offline_bench_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
+    test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys, command="bench")

@@ -3,7 +3,9 @@
 For n from `max_n` down to `min_n`: find the most recent earlier occurrence of the row's last
 n committed tokens in the row's prompt + generated tokens, and propose the K tokens that
 followed it. The first n with a match wins. No match proposes the last token K times (a
-fixed-shape guess that verification simply rejects when wrong).
+fixed-shape guess that verification simply rejects when wrong). When the state carries a
+cross-request n-gram table (`specjax.ngram_table`), a row with no match in its own context takes
+the followers the table holds for its last n-gram instead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from specjax import ngram_table
 from specjax.proposers.base import Stateless
 from specjax.state import DecodeState
 
@@ -25,6 +28,10 @@ class NgramProposer(Stateless):
     max_n: int = 3
 
     def lookup(self, tokens: Int[Array, "B S"], lengths: Int[Array, "B"]) -> Int[Array, "B K"]:
+        """The drafts of every row from its own context."""
+        return self._lookup(tokens, lengths)[0]
+
+    def _lookup(self, tokens, lengths):
         b, s = tokens.shape
         rows = jnp.arange(b)[:, None]
         last = jnp.take_along_axis(tokens, lengths[:, None] - 1, axis=1)
@@ -45,7 +52,7 @@ class NgramProposer(Stateless):
             cand = tokens[rows, jnp.maximum(cols, 0)]
             draft = jnp.where(hit[:, None], cand, draft)
             found |= hit
-        return draft
+        return draft, found
 
     @classmethod
     def from_spec(cls, spec, assets=None) -> tuple["NgramProposer", None]:
@@ -53,7 +60,11 @@ class NgramProposer(Stateless):
         return cls(k=spec.k, min_n=spec.ngram_min, max_n=spec.ngram_max), None
 
     def propose(self, params, pstate, state: DecodeState, sampling_config, keys):
-        return self.lookup(state.tokens, state.lengths), None, pstate
+        draft, found = self._lookup(state.tokens, state.lengths)
+        if state.table is not None:
+            shared, hit = ngram_table.lookup(state.table, state.tokens, state.lengths, self.k)
+            draft = jnp.where((~found & hit)[:, None], shared, draft)
+        return draft, None, pstate
 
 
 class HostLookup:

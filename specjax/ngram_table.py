@@ -1,0 +1,139 @@
+"""A cross-request n-gram table on device: hashed n-gram -> the tokens that followed it.
+
+Prompt lookup sees only a row's own text. Structured answers (configuration files, lists, code)
+repeat what earlier answers said, so the loop state can carry a fixed-size table that every
+committed token of every row updates, inside the jitted loop, and that a row consults when its own
+context has no match. The scheduler keeps the table across requests (a slot refill leaves it
+alone), so a request benefits from the answers before it.
+
+Layout: `size` slots, each holding an n-gram (`max_n` token ids, left-padded with -1 for shorter n)
+and the `width` tokens that followed it. An n-gram's slot is a multiplicative hash of its tokens
+and n; a later write to the same slot evicts the earlier one (most recent wins). A write happens
+once the n-gram's `width` followers are all committed: a step that commits positions p covers the
+n-grams ending at p - width. Writes are resolved deterministically when one step writes a slot
+twice (the later position wins, then the higher row), so the table is a function of the committed
+text alone. Rows whose request opted out (`contribute` false) never write.
+
+Drafts read from the table are a function of committed text (this row's and other rows'), never of
+this step's randomness, so greedy output stays identical to plain decoding and sampling stays
+lossless with the one-hot rule, whatever the table holds (collisions and eviction included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Int
+
+_MULT = np.uint32(0x9E3779B1)  # Knuth's multiplicative constant (golden ratio * 2^32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """Static shape of the table: slots, followers kept per n-gram, n-gram lengths."""
+
+    size: int = 1 << 16
+    width: int = 8
+    min_n: int = 2
+    max_n: int = 3
+
+    def __post_init__(self):
+        if int(self.size) != self.size or self.size < 1:
+            raise ValueError(f"n-gram table size={self.size}: must be an integer >= 1")
+        if not 1 <= self.width <= 16:
+            raise ValueError(f"n-gram table width={self.width}: must be in [1, 16]")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram table n range [{self.min_n}, {self.max_n}]: need 1 <= min_n <= max_n")
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * (self.max_n + self.width) * 4
+
+
+@struct.dataclass
+class NgramTable:
+    keys: Int[Array, "T N"]  # the n-gram, left-padded with -1; all -1 = empty
+    follow: Int[Array, "T W"]  # the tokens that followed it
+    min_n: int = struct.field(pytree_node=False, default=2)
+
+    @classmethod
+    def empty(cls, config: TableConfig) -> "NgramTable":
+        return cls(keys=jnp.full((config.size, config.max_n), -1, jnp.int32),
+                   follow=jnp.zeros((config.size, config.width), jnp.int32), min_n=config.min_n)
+
+    @property
+    def size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def max_n(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.follow.shape[1]
+
+
+def _slot(grams: Int[Array, "... N"], n: int, size: int) -> Int[Array, "..."]:
+    """Hash of the last n tokens of each gram (and of n) to a slot."""
+    h = jnp.full(grams.shape[:-1], np.uint32((n * int(_MULT)) % (1 << 32)), jnp.uint32)
+    for i in range(grams.shape[-1] - n, grams.shape[-1]):
+        h = (h ^ grams[..., i].astype(jnp.uint32)) * _MULT
+    return ((h >> 7) % np.uint32(size)).astype(jnp.int32)
+
+
+def _padded(grams: Int[Array, "... N"], n: int) -> Int[Array, "... N"]:
+    """The key of the last n tokens: earlier columns set to -1."""
+    col = jnp.arange(grams.shape[-1]).reshape((1,) * (grams.ndim - 1) + (-1,))
+    return jnp.where(col >= grams.shape[-1] - n, grams, -1)
+
+
+def add(table: NgramTable, tokens: Int[Array, "B S"], old_lengths: Int[Array, "B"], take: Int[Array, "B"],
+        width_new: int, contribute: Bool[Array, "B"]) -> NgramTable:
+    """Writes the n-grams whose followers the commit of `take` tokens at `old_lengths` completed."""
+    b, s = tokens.shape
+    w, nmax = table.width, table.max_n
+    j = jnp.arange(width_new)[None, :]
+    pos = old_lengths[:, None] + j  # newly committed positions [B, J]
+    end = pos - w  # the n-gram ends here; its followers are end + 1 .. pos
+    gather = lambda cols: jnp.take_along_axis(tokens, jnp.clip(cols, 0, s - 1).reshape(b, -1), axis=1).reshape(cols.shape)
+    grams = gather(end[..., None] - nmax + 1 + jnp.arange(nmax)[None, None, :])  # [B, J, N]
+    follow = gather(end[..., None] + 1 + jnp.arange(w)[None, None, :])  # [B, J, W]
+    keys, slots, ok = [], [], []
+    for n in range(table.min_n, nmax + 1):
+        keys.append(_padded(grams, n))
+        slots.append(_slot(grams, n, table.size))
+        ok.append((j < take[:, None]) & (end - n + 1 >= 0) & contribute[:, None])
+    keys, slots, ok = (jnp.stack(x, axis=2) for x in (keys, slots, ok))  # [B, J, n's, ...]
+    nn = slots.shape[2]
+    # a unique priority per write: the later position wins, then the higher row, then the longer n
+    prio = (j[:, :, None] * b + jnp.arange(b)[:, None, None]) * nn + jnp.arange(nn)[None, None, :] + 1
+    order = jnp.where(ok, prio, 0).reshape(-1)
+    follow = jnp.broadcast_to(follow[:, :, None], slots.shape + (w,)).reshape(-1, w)
+    slots, ok, keys = slots.reshape(-1), ok.reshape(-1), keys.reshape(-1, nmax)
+    best = jnp.zeros((table.size,), jnp.int32).at[slots].max(order)
+    win = ok & (best[slots] == order)
+    target = jnp.where(win, slots, table.size)  # losers write out of range: dropped
+    return table.replace(keys=table.keys.at[target].set(keys, mode="drop"),
+                         follow=table.follow.at[target].set(follow, mode="drop"))
+
+
+def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"], k: int):
+    """(drafts [B, k], found [B]): the followers of the row's longest n-gram found in the table."""
+    b, s = tokens.shape
+    if k > table.width:
+        raise ValueError(f"prompt lookup k={k} exceeds the n-gram table's width {table.width}")
+    cols = jnp.clip(lengths[:, None] - table.max_n + jnp.arange(table.max_n)[None, :], 0, s - 1)
+    grams = jnp.take_along_axis(tokens, cols, axis=1)  # the row's last max_n tokens [B, N]
+    draft = jnp.zeros((b, k), jnp.int32)
+    found = jnp.zeros((b,), bool)
+    for n in range(table.max_n, table.min_n - 1, -1):
+        slot = _slot(grams, n, table.size)
+        hit = jnp.all(table.keys[slot] == _padded(grams, n), axis=-1) & (lengths >= n) & ~found
+        draft = jnp.where(hit[:, None], table.follow[slot, :k], draft)
+        found |= hit
+    return draft, found
