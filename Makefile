@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PROMPT ?= Explain speculative decoding in two sentences.
 ARGS   ?=
 
-.PHONY: run test bench clean
+.PHONY: run run-ops test bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test,oracle,plot]'
 	touch $@
 
+# auto speculation, with the plain loop on the same prompt measured beside it in the same process
 run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
-	$(VENV)/bin/specjax generate --model smollm2-135m --chat --prompt "$(PROMPT)" $(ARGS)
+	$(VENV)/bin/specjax generate --model smollm2-135m --chat --method auto --prompt "$(PROMPT)" $(ARGS)
+
+# the ops prompts (configuration and diagnostic) through the scheduler, auto against plain per class
+run-ops: $(VENV)/.base
+	$(VENV)/bin/specjax generate --model smollm2-135m --chat --method auto --max-new-tokens 256 \
+	    --prompts-file ../shared/data/ops-dev.jsonl --per-task 4 $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
 	$(PY) -m pytest -q $(ARGS)

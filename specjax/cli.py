@@ -43,8 +43,9 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
                        help="comma-separated: none,ngram,draft,medusa (bench), and auto (loadbench); "
                             "none is always measured as the baseline")
     else:
-        p.add_argument("--method", default="none", choices=["none", *FACTORIES],
-                       help="speculation method (none = plain decoding)")
+        p.add_argument("--method", default="none", choices=["none", *FACTORIES, "auto"],
+                       help="speculation method (none = plain decoding; auto = the adaptive controller "
+                            "through the scheduler, with the plain loop measured beside it)")
     p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft")
     p.add_argument("--ngram-min", type=int, default=1)
@@ -61,7 +62,7 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
 def _spec(args):
     from specjax.config import SpecConfig, parse_tree
 
-    if args.method == "none":
+    if args.method in ("none", "auto"):
         return SpecConfig()
     tree = parse_tree(getattr(args, "tree", None))
     return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -72,7 +73,8 @@ def _prompts(args) -> list[Prompt]:
     if args.prompt is not None and args.prompts_file:
         raise SystemExit("error: give --prompt or --prompts-file, not both")
     if args.prompts_file:
-        return read_prompts(args.prompts_file, per_task=getattr(args, "per_task", None))
+        tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) else None
+        return read_prompts(args.prompts_file, per_task=getattr(args, "per_task", None), tasks=tasks)
     if args.prompt is None:
         raise SystemExit("error: give --prompt TEXT or --prompts-file FILE")
     if not args.prompt:
@@ -96,6 +98,8 @@ def cmd_generate(args) -> int:
     if spec.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
     prompts = _prompts(args)
+    if args.method == "auto":
+        return _generate_auto(args, opts, prompts)
     heads = (args.heads or "default") if spec.method == "medusa" else None
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
     texts = [p.text for p in prompts]
@@ -119,6 +123,76 @@ def cmd_generate(args) -> int:
         else:
             for p, res in zip(prompts[i:i + b], batch.run()):
                 print(f"--- {p.id} ---\n{res.text}")
+    return 0
+
+
+def _generate_auto(args, opts, prompts) -> int:
+    """`--method auto`: serve the prompts through the scheduler with the adaptive controller (prompt
+    lookup with the cross-request table, and the Medusa heads shipped for the model), then the same
+    prompts with the plain loop in the same process, and print what auto gained (compile excluded)."""
+    from specjax import loadbench
+    from specjax.config import SpecConfig
+    from specjax.controller import ControllerConfig
+    from specjax.engine import Engine
+    from specjax.models import heads_io
+    from specjax.scheduler import Scheduler
+
+    engine = Engine.load(args.model, dtype=args.dtype)
+    if args.heads or heads_io.shipped_heads_dir(engine.name):
+        engine.load_heads(args.heads or "default")
+    ccfg, named = ControllerConfig(), {}
+    if engine.heads is not None:
+        ccfg, named = loadbench._with_medusa(engine, ccfg, None)
+    texts = [p.text for p in prompts]
+    longest = max(len(x) for x in engine.check(texts, opts, chat=args.chat))
+    slots = min(args.batch_size, len(prompts))
+    stream = len(prompts) == 1 and not args.json
+
+    def serve(spec):
+        s = Scheduler(engine, slots=slots, spec=spec, controller=ccfg, opts=opts, chat=args.chat,
+                      auto_specs=named, max_prompt_tokens=longest)
+        for p in prompts:
+            s.submit(p.text, task=p.task)
+        s.prepare()
+        if spec == "auto" and stream:
+            dec, seen = engine.tokenizer.decode_stream(skip_special=True), 0
+            while s.step():
+                toks = s.requests[0].tokens
+                sys.stdout.write(dec.push(toks[seen:]))
+                sys.stdout.flush()
+                seen = len(toks)
+            sys.stdout.write(dec.flush() + "\n")
+        else:
+            s.run()
+        return s
+
+    auto = serve("auto").requests
+    plain = serve(SpecConfig()).requests
+    greedy = opts.sampling.method == "greedy"
+    if args.json:
+        for p, a, b in zip(prompts, auto, plain):
+            print(json.dumps(dict(id=p.id, task=p.task, text=engine.tokenizer.decode(a.tokens, skip_special=True),
+                                  tokens=a.tokens, tau=a.tau, latency_s=a.latency_s, plain_latency_s=b.latency_s,
+                                  speedup_vs_plain=b.latency_s / a.latency_s, chunks=a.chunks,
+                                  identical_to_plain=a.tokens == b.tokens if greedy else None,
+                                  **a.counters.to_dict()), ensure_ascii=False), flush=True)
+        return 0
+    if not stream:
+        for p, a in zip(prompts, auto):
+            print(f"--- {p.id} ({p.task}) ---\n{engine.tokenizer.decode(a.tokens, skip_special=True)}")
+    for task in sorted({str(p.task) for p in prompts}):
+        sel = [(a, b) for p, a, b in zip(prompts, auto, plain) if str(p.task) == task]
+        chunks: dict[str, int] = {}
+        for a, _ in sel:
+            for k, n in a.chunks.items():
+                chunks[k] = chunks.get(k, 0) + n
+        t_auto, t_plain = sum(a.latency_s for a, _ in sel), sum(b.latency_s for _, b in sel)
+        tau = sum(len(a.tokens) - 1 for a, _ in sel) / max(1, sum(a.target_forwards for a, _ in sel))
+        same = f", identical to plain {sum(a.tokens == b.tokens for a, b in sel)}/{len(sel)}" if greedy else ""
+        label = "" if task == "None" else f"{task}: "
+        print(f"[{label}auto tau {tau:.2f} ({', '.join(f'{k} x{n}' for k, n in sorted(chunks.items()))}); "
+              f"{t_plain / t_auto:.2f}x plain decoding of the same prompts, measured now "
+              f"(plain {t_plain:.1f} s, auto {t_auto:.1f} s, compile excluded){same}]", file=sys.stderr)
     return 0
 
 
@@ -187,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(g)
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
+    g.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
+    g.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")

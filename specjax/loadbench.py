@@ -134,11 +134,11 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
 def _run_row(s, method: str, c: int, rep: int) -> dict:
     mem = s.memory()
     chunks = {}
-    for o, _, _ in s.chunk_log:
-        key = "none" if o[1] == 0 else f"{o[0]}:{o[1]}"
-        chunks[key] = chunks.get(key, 0) + 1
+    for ch in s.chunk_log:
+        chunks[ch.option] = chunks.get(ch.option, 0) + 1
     row = dict(method=method, concurrency=c, rep=rep, **mem,
                makespan_s=max(r.finished_s for r in s.requests), compile_s=s.compile_s, chunks=chunks,
+               chunk_log=[ch.to_dict() for ch in s.chunk_log],
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if s.cost is not None:
         row["cost_s_per_step"] = {f"{o[0]}:{o[1]}": t for o, t in s.cost.seconds.items()}

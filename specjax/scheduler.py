@@ -79,6 +79,10 @@ def _release(graphdef, params, state, slot: Int[Array, ""]):
     return state.replace(done=state.done.at[slot].set(True))
 
 
+def _label(o: Option) -> str:
+    return o[0] if o == PLAIN else f"{o[0]}:{o[1]}"
+
+
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
     """Arrival times (seconds from the start) of `n` requests of a Poisson process of `rate`/s."""
     if not rate > 0:
@@ -208,7 +212,7 @@ class Scheduler:
         self.controller: Controller | None = None
         self.cost: CostModel | None = None
         self.state: DecodeState | None = None
-        self.chunk_log: list[tuple[Option, int, float]] = []  # (option, active rows, seconds)
+        self.chunk_log: list[telemetry.ChunkRecord] = []  # every chunk: what ran, why, for whom
         # auto with prompt lookup among its options: replay it over text other options commit
         lookups = [s for o, s in self.specs.items() if s.method == "ngram"]
         self._replay_spec = (max(lookups, key=lambda s: s.k)
@@ -391,7 +395,7 @@ class Scheduler:
             time.sleep(max(0.0, wait))
             return True
         plan = self.plan(active)
-        self._decode_chunk(plan.option, active)
+        self._decode_chunk(plan, active)
         return True
 
     def plan(self, active: Sequence[Request]) -> Plan:
@@ -433,15 +437,21 @@ class Scheduler:
         if done[slot]:
             self._finish(req, t, 0)
 
-    def _decode_chunk(self, o: Option, active: list[Request]) -> None:
-        t0 = self.clock()
+    def _decode_chunk(self, plan: Plan, active: list[Request]) -> None:
+        o = plan.option
+        t0, start = self.clock(), self.now()
         self.state, self.pstates, _ = self._run_loop(o, self.state, self.pstates, self.chunk)
         t = self.now()
-        self.chunk_log.append((o, len(active), self.clock() - t0))
+        tasks: dict[str, int] = {}
+        for r in active:
+            tasks[str(r.task)] = tasks.get(str(r.task), 0) + 1
+        self.chunk_log.append(telemetry.ChunkRecord(
+            start_s=start, seconds=self.clock() - t0, option=_label(o), reason=plan.reason,
+            expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue)))
         s = self.state
         tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
         stats = jax.tree.map(np.asarray, self._last_stats)
-        label = o[0] if o == PLAIN else f"{o[0]}:{o[1]}"
+        label = _label(o)
         for req in active:
             i = req.slot
             new = tokens[i, self._lengths[i]: lengths[i]].tolist()

@@ -70,6 +70,27 @@ class SpecCounters:
                 "draft_acceptance_rate": self.draft_acceptance_rate}
 
 
+@dataclasses.dataclass
+class ChunkRecord:
+    """One chunk of the scheduler: when, what ran and why (the adaptive controller's decision)."""
+
+    start_s: float  # from the run's start
+    seconds: float
+    option: str  # "none" or "method:K"
+    reason: str  # "fixed" | "gain" | "no_gain" | "opt_out" | "probe" | "idle"
+    expected_gain: float  # the controller's expected throughput over plain
+    rows: int  # active rows
+    tasks: dict[str, int]  # active rows per task class
+    queued: int  # requests waiting for a slot
+
+    @property
+    def speculated(self) -> bool:
+        return self.option != "none"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 def _add(a: Sequence[int], b: Sequence[int]) -> list[int]:
     n = max(len(a), len(b))
     return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]

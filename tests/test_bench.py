@@ -43,13 +43,19 @@ def test_records(results):
         assert FIELDS <= set(r)
         assert r["greedy_identical"] is True and r["greedy_identical_n"] == r["requests"]
         assert r["tau"] >= 1.0 and r["throughput_tok_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"]
-        assert r["peak_mem_bytes"] == r["target_weight_bytes"] + r["draft_weight_bytes"] + r["cache_bytes"]
+        assert r["peak_mem_bytes"] == (r["target_weight_bytes"] + r["draft_weight_bytes"] + r["cache_bytes"]
+                                       + r["ngram_table_bytes"])
+        assert (r["ngram_table_bytes"] > 0) == (r["method"] != "none")  # prompt lookup's shared table
         if r["method"] == "none":
             assert r["speedup_vs_none"] == pytest.approx(1.0)
     assert all(r["tau"] > 1.0 for r in records if r["method"] == "ngram" and r["task"] == "copy")
     json.dumps(records)
     auto = [r for r in run_rows if r["method"] == "auto"]
     assert all("cost_s_per_step" in r and "none:0" in r["cost_s_per_step"] for r in auto)
+    for r in run_rows:  # every chunk's decision, in order
+        log = r["chunk_log"]
+        assert sum(r["chunks"].values()) == len(log) and all(a["start_s"] <= b["start_s"] for a, b in zip(log, log[1:]))
+        assert {c["reason"] for c in log} <= ({"fixed"} if r["method"] != "auto" else {"gain", "no_gain", "probe"})
 
 
 def test_markdown_plots_and_telemetry(results, tmp_path):

@@ -1,6 +1,9 @@
 """Continuous batching: every request completes once, with the tokens it gets alone."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,6 +14,7 @@ from specjax.controller import ControllerConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
+from specjax.proposers import DraftModelProposer, registry
 from specjax.scheduler import Scheduler, poisson_arrivals
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
@@ -119,7 +123,7 @@ def test_compiles_once_per_k(eng):
     s = serve(eng, "auto")
     s.run()
     assert eng.compile_count == before  # same shapes: nothing new, whichever K each chunk used
-    assert len({o for o, _, _ in s.chunk_log}) >= 1
+    assert len({c.option for c in s.chunk_log}) >= 1
     assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("ngram", 8)}
 
 
@@ -131,7 +135,8 @@ def test_prompt_lookup_is_replayed_over_plain_chunks(eng, alone, replay):
                            replay_ngram=replay)
     s = serve(eng, "auto", controller=cfg)
     out = s.run()
-    assert {o for o, _, _ in s.chunk_log} == {("none", 0)}
+    assert {c.option for c in s.chunk_log} == {"none"}
+    assert {c.reason for c in s.chunk_log} == {"no_gain"} and all(c.expected_gain < 1.03 for c in s.chunk_log)
     assert [r.tokens for r in out] == alone
     a = s.controller.tasks.get(("a", "ngram"))
     if replay:
@@ -196,3 +201,38 @@ def test_bad_input_fails_before_compiling(eng, tiny_model):
     with pytest.raises(ValueError, match="empty"):
         s.submit([])
     assert eng.compile_count == before
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectiveDraft(DraftModelProposer):
+    """The target as its own draft (always right under greedy), except for rows whose prompt starts
+    with a token >= 32: their drafts are shifted, so never accepted."""
+
+    def propose(self, params, pstate, state, sampling_config, keys):
+        draft, q, pstate = super().propose(params, pstate, state, sampling_config, keys)
+        wrong = state.tokens[:, :1] >= 32
+        return jnp.where(wrong, (draft + 1) % 64, draft), q, pstate
+
+
+def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
+    """Class "copy" (drafts always right) keeps speculating, class "open" (never right) decodes plain
+    once measured; the decision is in every chunk's record."""
+    factory = lambda spec, assets: SelectiveDraft.from_model(assets.target, k=spec.k)
+    monkeypatch.setitem(registry.FACTORIES, "selective", factory)
+    eng = Engine(tiny_model)
+    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False)
+    s = Scheduler(eng, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=M), chunk=3,
+                  max_prompt_tokens=16)
+    tasks = ["copy", "open"] * 4
+    for i, t in enumerate(tasks):
+        s.submit([3 + i, 5, 7] if t == "copy" else [40 + i, 5, 7], task=t)
+    out = s.run()
+    spec = lambda r: sum(n for k, n in r.chunks.items() if k != "none") / sum(r.chunks.values())
+    copy = [spec(r) for r in out if r.task == "copy"]
+    open_ = [spec(r) for r in out if r.task == "open"]
+    assert all(x == 1.0 for x in copy), copy
+    assert open_[0] > 0 and all(x == 0.0 for x in open_[1:]), open_  # measured once, then plain
+    assert all(r.counters.num_accepted_tokens == 0 for r in out if r.task == "open")
+    log = s.chunk_log
+    assert {c.reason for c in log if c.tasks == {"open": 1} and not c.speculated} == {"no_gain"}
+    assert all(c.reason == "gain" and c.expected_gain > 1 for c in log if c.tasks == {"copy": 1})
