@@ -288,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--rate", type=float, default=None,
                     help="Poisson arrivals per second instead of closed-loop clients")
     lb.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    lb.add_argument("--surge", default=None,
+                    help="arrival phases RATE:SECONDS, e.g. 0.5:60,8:60,0.5:60 (Poisson within each), "
+                         "reported per phase; one --concurrency (default 16)")
+    lb.add_argument("--batch-sizes", default=None,
+                    help="smaller batch sizes a chunk may run at, e.g. 1,2,4,8 (default with --surge: "
+                         "powers of two below the concurrency)")
     lb.add_argument("--auto-k", default="2,4,8", help="speculation lengths the auto controller may pick "
                                                       "(0 = plain is always one)")
     lb.add_argument("--repeats", type=int, default=None, help="default 1")

@@ -50,6 +50,8 @@ class LoadPlan:
     chunk: int = 8
     repeats: int = 1
     auto: ControllerConfig = ControllerConfig()
+    surge: tuple[tuple[float, float], ...] | None = None  # (requests/s, seconds) phases
+    batch_sizes: tuple[int, ...] | None = None  # sizes a chunk may run at (see Scheduler)
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in LOAD_METHODS]
@@ -65,6 +67,11 @@ class LoadPlan:
             raise ValueError(f"arrival rate {self.rate}: must be > 0 requests per second")
         if self.chunk < 1 or self.repeats < 1:
             raise ValueError("chunk and repeats must be >= 1")
+        if self.surge is not None and (self.rate is not None or len(self.concurrency) != 1):
+            raise ValueError("--surge sets the arrivals itself: give one --concurrency (the slots) and no --rate")
+        for x in self.batch_sizes or ():
+            if int(x) != x or not 1 <= x <= min(self.concurrency):
+                raise ValueError(f"batch size {x}: must be an integer in [1, concurrency]")
         if "none" in self.methods:  # the baseline goes first
             object.__setattr__(self, "methods", ("none",) + tuple(m for m in self.methods if m != "none"))
         else:
@@ -100,7 +107,14 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
 
     specs = specs or {}
     longest = max(len(x) for x in engine.check([p.text for p in prompts], opts, chat=chat))
-    arrivals = poisson_arrivals(len(prompts), plan.rate) if plan.rate else [None] * len(prompts)
+    phase = [None] * len(prompts)
+    if plan.surge:
+        from specjax import surge
+
+        arrivals, phase = surge.arrivals(plan.surge)
+        prompts = [prompts[i % len(prompts)] for i in range(len(arrivals))]  # the mix, cycled in order
+    else:
+        arrivals = poisson_arrivals(len(prompts), plan.rate) if plan.rate else [None] * len(prompts)
     total = len(plan.concurrency) * plan.repeats * len(plan.methods) * len(prompts)
     req_rows, run_rows = [], []
     with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress) as bar:
@@ -111,7 +125,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                     spec = "auto" if m == "auto" else specs.get(m, SpecConfig(method=m))
                     s = Scheduler(engine, slots=c, spec=spec, controller=plan.auto, opts=opts,
                                   chunk=plan.chunk, chat=chat, max_prompt_tokens=longest,
-                                  auto_specs=auto_specs)
+                                  auto_specs=auto_specs, batch_sizes=plan.batch_sizes)
                     for p, t in zip(prompts, arrivals):
                         s.submit(p.text, task=p.task, arrival=t)
                     s.prepare()
@@ -125,7 +139,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                     s.run(on_chunk=tick)
                     tick(s)
                     run_rows.append(_run_row(s, m, c, rep))
-                    req_rows += [_request_row(r, m, c, rep) for r in s.requests]
+                    req_rows += [dict(_request_row(r, m, c, rep), phase=ph) for r, ph in zip(s.requests, phase)]
                     del s
                     gc.collect()
     return req_rows, run_rows
@@ -150,7 +164,7 @@ def _request_row(r, method: str, c: int, rep: int) -> dict:
     return dict(method=method, concurrency=c, rep=rep, id=r.id, task=r.task, tokens=r.tokens,
                 new_tokens=len(r.tokens), forwards=r.target_forwards, ttft_s=r.ttft_s,
                 latency_s=r.latency_s, itl_s=r.itl_s, stop_reason=r.stop_reason, chunks=r.chunks,
-                counters=r.counters)
+                counters=r.counters, arrived_s=r.arrived_s, emissions=r.emissions)
 
 
 def summarize(req_rows: list[dict], run_rows: list[dict], *, greedy: bool = True) -> list[dict]:
@@ -281,9 +295,16 @@ def main(args) -> int:
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     auto_ks = _int_list(args.auto_k, "auto-k")
+    from specjax import surge
+
+    phases = surge.parse_phases(args.surge) if args.surge else None
+    conc = _int_list(args.concurrency, "concurrency") if args.concurrency else (
+        (16,) if phases else DEFAULT_CONCURRENCY)
+    sizes = _int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else (
+        tuple(x for x in (1, 2, 4, 8, 16, 32, 64) if x < conc[0]) if phases else None)
     plan = LoadPlan(methods=methods, rate=args.rate, chunk=args.chunk, repeats=args.repeats or 1,
-                    concurrency=_int_list(args.concurrency, "concurrency") if args.concurrency
-                    else DEFAULT_CONCURRENCY, auto=ControllerConfig(ks=(0,) + auto_ks))
+                    concurrency=conc, auto=ControllerConfig(ks=(0,) + auto_ks), surge=phases,
+                    batch_sizes=sizes)
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()
     if "draft" in plan.methods and not args.draft_model:
@@ -309,6 +330,9 @@ def main(args) -> int:
     req_rows, run_rows = run(engine, prompts, plan, opts, chat=args.chat, specs=specs, auto_specs=auto_specs)
     records = summarize(req_rows, run_rows)
     print(markdown(records))
+    if phases:
+        records = dict(by_task=records, by_phase=surge.summarize(req_rows, run_rows, phases))
+        print("\n" + surge.markdown(records["by_phase"]))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(records, f, indent=1)
@@ -320,7 +344,10 @@ def main(args) -> int:
         with open(args.runs_json, "w") as f:
             json.dump(run_rows, f, indent=1)
     if args.plots:
-        print("plots: " + ", ".join(plot(records, args.plots)), file=sys.stderr)
+        paths = plot(records["by_task"] if phases else records, args.plots)
+        if phases:
+            paths.append(surge.plot(req_rows, run_rows, phases, args.plots))
+        print("plots: " + ", ".join(paths), file=sys.stderr)
     return 0
 
 

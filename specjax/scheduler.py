@@ -46,6 +46,7 @@ from specjax import telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
 from specjax.decoder import Decoder, Inputs, State, Stats
+from specjax.state import insert_row, rows_map
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters
@@ -77,6 +78,28 @@ def _insert(graphdef, params, pparams, state, pstates, slot: Int[Array, ""], inp
 def _release(graphdef, params, state, slot: Int[Array, ""]):
     """Marks row `slot` done (a cancelled request), so the loop stops spending steps on it."""
     return state.replace(done=state.done.at[slot].set(True))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state", "pstates"))
+def _move(graphdef, params, state, pstates, src: Int[Array, ""], dst: Int[Array, ""]):
+    """Moves row `src` (state and every proposer state) to row `dst` and leaves `src` done: keeps
+    the running rows packed at the front, so a chunk can run on the smallest batch that holds them."""
+    take = lambda tree: rows_map(lambda x: x[src][None], tree)
+    state, pstates = insert_row(state, take(state), dst), insert_row(pstates, take(pstates), dst)
+    return state.replace(done=state.done.at[src].set(True)), pstates
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "size"))
+def _head(graphdef, params, state, pstate, *, size: int):
+    """The first `size` rows (the shared n-gram table whole)."""
+    return rows_map(lambda x: x[:size], state), rows_map(lambda x: x[:size], pstate)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state", "pstate"))
+def _put_head(graphdef, params, state, pstate, sub, sub_pstate):
+    """Writes a chunk run on the first rows back into the batch (and the table it updated)."""
+    put = lambda big, small: big.at[: small.shape[0]].set(small)
+    return rows_map(put, state, sub, table_from=1), rows_map(put, pstate, sub_pstate)
 
 
 def _label(o: Option) -> str:
@@ -161,6 +184,11 @@ class Scheduler:
       auto_specs: for "auto", the `SpecConfig` behind an option's method label when it is not
         simply `SpecConfig(method=label, k=K)`; e.g. {"medusa-tree": SpecConfig(method="medusa",
         tree="heads")} with ("medusa-tree", depth) in `ControllerConfig.extra`.
+      batch_sizes: batch sizes a chunk may run at (each <= slots; slots is always one). With more
+        than one, running rows are kept packed at the front (a finished row's slot takes the last
+        running row) and each chunk runs on the smallest size that holds them, so a light load pays
+        for a small batch, and "auto" compares options at the cost measured for that size: a verify
+        step that is cheap at batch 1 may cost several plain steps at batch 16.
       ngram_table: slots of the cross-request n-gram table that every committed token of every
         request updates and prompt lookup consults (`specjax.ngram_table`); it lives in the batch
         state, so every option's chunks (plain included) feed it, and slot refills keep it. None:
@@ -172,13 +200,17 @@ class Scheduler:
                  controller: ControllerConfig | None = None, opts: GenerateOptions = GenerateOptions(),
                  chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
                  auto_specs: dict[str, SpecConfig] | None = None, ngram_table: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 batch_sizes: Sequence[int] | None = None, clock: Callable[[], float] = time.perf_counter):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
             raise ValueError(f"chunk={chunk}: must be an integer >= 1")
         opts.validate()
         self.engine, self.b, self.opts, self.chunk, self.chat = engine, int(slots), opts, int(chunk), chat
+        bad = [x for x in (batch_sizes or ()) if int(x) != x or not 1 <= x <= self.b]
+        if bad:
+            raise ValueError(f"batch_sizes {list(batch_sizes)}: each must be an integer in [1, slots={self.b}]")
+        self.sizes = tuple(sorted({int(x) for x in (batch_sizes or ())} | {self.b}))
         self.clock = clock
         resolve = engine.resolve
         if isinstance(spec, str):
@@ -210,7 +242,8 @@ class Scheduler:
         self.queue: list[Request] = []
         self.slots: list[Request | None] = [None] * self.b
         self.controller: Controller | None = None
-        self.cost: CostModel | None = None
+        self.cost: CostModel | None = None  # at the full batch; `costs` per batch size
+        self.costs: dict[int, CostModel] = {}
         self.state: DecodeState | None = None
         self.chunk_log: list[telemetry.ChunkRecord] = []  # every chunk: what ran, why, for whom
         # auto with prompt lookup among its options: replay it over text other options commit
@@ -266,6 +299,7 @@ class Scheduler:
             self.slots[req.slot] = None
             if self.controller:
                 self.controller.remove_row(req.id)
+            self._pack()
         else:
             return
         req.status, req.finished_s, req.stop_reason = "cancelled", self.now(), "cancelled"
@@ -302,13 +336,25 @@ class Scheduler:
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self._insert_program(p)
         stop_at = jax.ShapeDtypeStruct((), jnp.int32)
-        for o in self.options:
-            d = self.decoders[o]
-            s = State(decode=self.state, proposer=self.pstates.get(o), stats=Stats.zeros(self.b, d.depth))
-            self._programs[o] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
+        if len(self.sizes) > 1:
+            self._programs["move"] = self._compile(_move, self.state, self.pstates, np.int32(0), np.int32(0))
+        for size in self.sizes:
+            for o in self.options:
+                d = self.decoders[o]
+                ps = self.pstates.get(o)
+                st = self.state
+                if size != self.b:
+                    key = ("head", o, size)
+                    self._programs[key] = self._compile(_head, st, ps, size=size)
+                    st, ps = jax.eval_shape(lambda a, b: _head(self.engine.graphdef, self.engine.params, a, b,
+                                                               size=size), st, ps)
+                    self._programs[("put", o, size)] = self._compile(_put_head, self.state, self.pstates.get(o), st, ps)
+                s = State(decode=st, proposer=ps, stats=Stats.zeros(size, d.depth))
+                self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
         self._lengths = np.asarray(self.state.lengths).copy()
         if self.ccfg is not None:
-            self.cost = self.calibrate()
+            self.costs = {size: self.calibrate(size=size) for size in self.sizes}
+            self.cost = self.costs[self.b]
             self.controller = Controller(self.ccfg, self.cost)
 
     def _placeholders(self, *, max_new: int) -> Inputs:
@@ -335,8 +381,9 @@ class Scheduler:
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 
-    def calibrate(self, steps: int = 4, repeats: int = 3) -> CostModel:
-        """Seconds per target step of every option, at this batch's shape, on this machine.
+    def calibrate(self, steps: int = 4, repeats: int = 3, *, size: int | None = None) -> CostModel:
+        """Seconds per target step of every option, at batch size `size` (default: all slots), on
+        this machine.
 
         Times chunks of the compiled loops on batches of placeholder rows that never stop. Options
         take turns (repeat 1 of each, then repeat 2, ...) so that drift on a busy machine spreads
@@ -350,24 +397,34 @@ class Scheduler:
                 w = self.decoders[o].window
                 n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
                 st, ps = self._programs["empty"](self.engine.params, self._pparams, busy)
-                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 1)
+                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 1, size=size)
                 t0 = time.perf_counter()
-                st, ps, fwd = self._run_loop(o, st, ps, n)
+                st, ps, fwd = self._run_loop(o, st, ps, n, size=size)
                 if fwd:
                     ts[o].append((time.perf_counter() - t0) / fwd)
                 del st, ps
         return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
-                         batch=self.b)
+                         batch=size or self.b)
 
-    def _run_loop(self, o: Option, state, pstates, n: int):
-        """Runs `n` steps of option `o`; returns the states and the steps actually run."""
+    def _run_loop(self, o: Option, state, pstates, n: int, *, size: int | None = None):
+        """Runs `n` steps of option `o` on the first `size` rows (default: all); returns the states
+        and the steps actually run. `_last_stats` keeps the chunk's counters, rows padded to slots."""
+        size = size or self.b
         start = int(state.forwards)
-        s = State(decode=state, proposer=pstates.get(o), stats=Stats.zeros(self.b, self.decoders[o].depth))
-        s = jax.block_until_ready(self._programs[o](self.engine.params, self._pp.get(o), s, np.int32(start + n)))
+        params = self.engine.params
+        st, ps = state, pstates.get(o)
+        if size != self.b:
+            st, ps = self._programs[("head", o, size)](params, st, ps)
+        s = State(decode=st, proposer=ps, stats=Stats.zeros(size, self.decoders[o].depth))
+        s = jax.block_until_ready(self._programs[(o, size)](params, self._pp.get(o), s, np.int32(start + n)))
+        st, ps = s.decode, s.proposer
+        if size != self.b:
+            st, ps = self._programs[("put", o, size)](params, state, pstates.get(o), st, ps)
         if o != PLAIN:
-            pstates = {**pstates, o: s.proposer}
-        self._last_stats = s.stats
-        return s.decode, pstates, int(s.decode.forwards) - start
+            pstates = {**pstates, o: ps}
+        pad = lambda x: np.concatenate([np.asarray(x), np.zeros((self.b - size,) + x.shape[1:], x.dtype)])
+        self._last_stats = jax.tree.map(pad, s.stats)
+        return st, pstates, int(st.forwards) - start
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
@@ -394,13 +451,20 @@ class Scheduler:
             wait = min(r.arrival for r in self.queue) - self.now()  # all queued ones are in the future
             time.sleep(max(0.0, wait))
             return True
-        plan = self.plan(active)
-        self._decode_chunk(plan, active)
+        size = self.batch_size_for(active)
+        plan = self.plan(active, size=size)
+        self._decode_chunk(plan, active, size)
         return True
 
-    def plan(self, active: Sequence[Request]) -> Plan:
+    def batch_size_for(self, active: Sequence[Request]) -> int:
+        """The smallest batch size that holds every running row (they are packed at the front)."""
+        top = 1 + max(r.slot for r in active)
+        return next(x for x in self.sizes if x >= top)
+
+    def plan(self, active: Sequence[Request], *, size: int | None = None) -> Plan:
         if self.controller is None:
             return Plan(self.options[0], 1.0, "fixed")
+        self.controller.cost = self.costs.get(size or self.b, self.cost)
         return self.controller.choose([r.id for r in active])
 
     def _admit(self) -> None:
@@ -437,17 +501,18 @@ class Scheduler:
         if done[slot]:
             self._finish(req, t, 0)
 
-    def _decode_chunk(self, plan: Plan, active: list[Request]) -> None:
+    def _decode_chunk(self, plan: Plan, active: list[Request], size: int) -> None:
         o = plan.option
         t0, start = self.clock(), self.now()
-        self.state, self.pstates, _ = self._run_loop(o, self.state, self.pstates, self.chunk)
+        self.state, self.pstates, _ = self._run_loop(o, self.state, self.pstates, self.chunk, size=size)
         t = self.now()
         tasks: dict[str, int] = {}
         for r in active:
             tasks[str(r.task)] = tasks.get(str(r.task), 0) + 1
         self.chunk_log.append(telemetry.ChunkRecord(
             start_s=start, seconds=self.clock() - t0, option=_label(o), reason=plan.reason,
-            expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue)))
+            expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
+            batch_size=size))
         s = self.state
         tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
         stats = jax.tree.map(np.asarray, self._last_stats)
@@ -468,6 +533,23 @@ class Scheduler:
             self._replay(req, real=o[0] == "ngram")
             if done[i]:
                 self._finish(req, t, int(fwd[i]))
+        self._pack()
+
+    def _pack(self) -> None:
+        """With several batch sizes: moves the last running rows into the free slots before them."""
+        if len(self.sizes) == 1:
+            return
+        while True:
+            free = [i for i, r in enumerate(self.slots) if r is None]
+            busy = [i for i, r in enumerate(self.slots) if r is not None]
+            if not free or not busy or free[0] > busy[-1]:
+                return
+            src, dst = busy[-1], free[0]
+            self.state, self.pstates = self._programs["move"](self.engine.params, self.state, self.pstates,
+                                                              np.int32(src), np.int32(dst))
+            req = self.slots[src]
+            self.slots[dst], self.slots[src], req.slot = req, None, dst
+            self._lengths[dst] = self._lengths[src]
 
     def _replay(self, req: Request, *, real: bool) -> None:
         """Prompt lookup's evidence on the text this chunk committed (see `ngram.replay`).

@@ -118,6 +118,32 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], ac
     return commit(state, new, accepted.n + 1, window=topo.width)[0]
 
 
+def rows_map(fn, batch, *others, table_from: int = 0):
+    """`fn(leaf, *other_leaves)` over every batch-leading leaf of `batch`; scalars (the batch's step
+    counter) keep `batch`'s values and the shared n-gram table is never sliced: it is taken whole
+    from `(batch, *others)[table_from]`."""
+    trees = (batch,) + others
+
+    def table_of(t):
+        inner = t if isinstance(t, DecodeState) else getattr(t, "decode", None)
+        return inner.table if isinstance(inner, DecodeState) else None
+
+    def strip(t):
+        if isinstance(t, DecodeState):
+            return t.replace(table=None)
+        if isinstance(getattr(t, "decode", None), DecodeState):
+            return t.replace(decode=t.decode.replace(table=None))
+        return t
+
+    table = table_of(trees[table_from])
+    out = jax.tree.map(lambda x, *o: fn(x, *o) if x.ndim else x, *(strip(t) for t in trees))
+    if table is None:
+        return out
+    if isinstance(out, DecodeState):
+        return out.replace(table=table)
+    return out.replace(decode=out.decode.replace(table=table))
+
+
 def insert_row(batch, row, slot: Int[Array, ""]):
     """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
 
@@ -125,12 +151,4 @@ def insert_row(batch, row, slot: Int[Array, ""]):
     what continuous batching needs: a request prefilled alone is scattered into a running batch;
     other rows do not move.
     """
-    put = lambda big, small: big.at[slot].set(small[0]) if big.ndim else big
-    if isinstance(batch, DecodeState) and batch.table is not None:
-        out = insert_row(batch.replace(table=None), row.replace(table=None), slot)
-        return out.replace(table=batch.table)
-    inner = getattr(batch, "decode", None)
-    if isinstance(inner, DecodeState) and inner.table is not None:  # a decoder.State
-        rest = jax.tree.map(put, batch.replace(decode=None), row.replace(decode=None))
-        return rest.replace(decode=insert_row(inner, row.decode, slot))
-    return jax.tree.map(put, batch, row)
+    return rows_map(lambda big, small: big.at[slot].set(small[0]), batch, row)

@@ -82,6 +82,7 @@ class ChunkRecord:
     rows: int  # active rows
     tasks: dict[str, int]  # active rows per task class
     queued: int  # requests waiting for a slot
+    batch_size: int = 0  # the batch size the chunk ran at (the slots, or a smaller size)
 
     @property
     def speculated(self) -> bool:

@@ -168,3 +168,46 @@ def test_offline_bench_side_by_side(tiny_model):
 ])
 def test_offline_bench_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
     test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys, command="bench")
+
+
+# ---- `specjax loadbench --surge`: a ramp of arrival rates, per phase --------------------------------
+
+
+SURGE_FIELDS = {"method", "phase", "rate", "requests", "ttft_p50_s", "latency_mean_s", "latency_p50_s",
+                "itl_p50_s", "itl_p99_s", "throughput_tok_s", "speculated_fraction", "mean_batch_size",
+                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes",
+                "latency_vs_none", "throughput_vs_none", "itl_p99_vs_none", "chunks"}
+
+
+def test_surge_bench_at_tiny_scale(tiny_model, tmp_path):
+    from specjax import surge
+
+    phases = ((40.0, 0.25), (400.0, 0.1), (40.0, 0.25))
+    times, index = surge.arrivals(phases)  # the seed the bench uses
+    assert times == sorted(times) and set(index) == {0, 1, 2}
+    assert all(lo <= t < hi for t, i in zip(times, index) for lo, hi in [surge.windows(phases)[i]])
+    eng = Engine(tiny_model)
+    prompts = [Prompt(1, [5, 9, 12, 5, 9, 12, 5, 9], "config"), Prompt(2, [40, 41, 42, 43, 40], "diagnostic")]
+    plan = LoadPlan(methods=("auto",), concurrency=(4,), chunk=4, surge=phases, batch_sizes=(1, 2))
+    req_rows, run_rows = loadbench.run(eng, prompts, plan, GenerateOptions(max_new_tokens=10), progress=False)
+    assert len(req_rows) == 2 * len(times) and {r["phase"] for r in req_rows} == {0, 1, 2}
+    records = surge.summarize(req_rows, run_rows, phases)
+    assert {(r["method"], r["phase"]) for r in records} == {(m, p) for m in ("none", "auto") for p in (0, 1, 2, "all")}
+    for r in records:
+        assert SURGE_FIELDS <= set(r), SURGE_FIELDS - set(r)
+        assert 0 <= r["speculated_fraction"] <= 1 and r["requests"] >= 1
+    assert sum(r["requests"] for r in records if r["phase"] != "all" and r["method"] == "auto") == len(times)
+    table = surge.markdown(records)
+    assert table.count("| auto |") == 4 + 1
+    need_module("matplotlib")
+    assert surge.plot(req_rows, run_rows, phases, str(tmp_path)).endswith("surge.png")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--surge", "1:0"], "must be > 0"),
+    (["--surge", "fast"], "RATE:SECONDS"),
+    (["--surge", "1:5", "--concurrency", "1,4"], "one --concurrency"),
+    (["--surge", "1:5", "--concurrency", "4", "--batch-sizes", "8"], "batch size 8"),
+])
+def test_surge_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
+    test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys)

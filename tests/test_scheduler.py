@@ -236,3 +236,23 @@ def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     log = s.chunk_log
     assert {c.reason for c in log if c.tasks == {"open": 1} and not c.speculated} == {"no_gain"}
     assert all(c.reason == "gain" and c.expected_gain > 1 for c in log if c.tasks == {"copy": 1})
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "auto", "draft", "medusa-tree"])
+def test_smaller_batch_sizes_keep_every_row_exact(eng, alone, method, sizes_seen):
+    """Rows packed at the front and chunks run at the smallest size holding them: same tokens."""
+    s = serve(eng, SPECS[method], slots=4, batch_sizes=(1, 2))
+    out = s.run()
+    assert [r.tokens for r in out] == alone
+    for c in s.chunk_log:  # running rows are packed: each chunk ran at the smallest size holding them
+        assert c.batch_size == min(x for x in (1, 2, 4) if x >= c.rows), c
+    if method == "auto":
+        assert set(s.costs) == {1, 2, 4}
+    sizes_seen.update(c.batch_size for c in s.chunk_log)
+
+
+@pytest.fixture(scope="module")
+def sizes_seen():
+    seen = set()
+    yield seen
+    assert {1, 2, 4} <= seen, seen  # over the methods, every size ran
