@@ -130,9 +130,9 @@ def test_opted_out_request_never_enters_the_table(eng, alone):
 
 
 def test_cancellation_leaves_the_table_and_other_rows_consistent(eng, alone):
-    s = _serve(eng, table=1 << 10, order=(0, 1, 2, 3), slots=2, spec="auto")
-    s.step()
-    s.step()
+    s = _serve(eng, table=1 << 10, order=(0, 1, 2, 3), slots=2, spec=SpecConfig(method="ngram", k=2))
+    s.step()  # one chunk of 4 steps: at most 12 of request 0's 24 tokens
+    assert s.requests[0].status == "running"
     s.cancel(0)
     out = s.run()
     assert [r.status for r in out] == ["cancelled", "finished", "finished", "finished"]

@@ -220,7 +220,7 @@ def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     factory = lambda spec, assets: SelectiveDraft.from_model(assets.target, k=spec.k)
     monkeypatch.setitem(registry.FACTORIES, "selective", factory)
     eng = Engine(tiny_model)
-    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False)
+    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.5)  # timing-proof
     s = Scheduler(eng, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=M), chunk=3,
                   max_prompt_tokens=16)
     tasks = ["copy", "open"] * 4
