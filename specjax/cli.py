@@ -288,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--rate", type=float, default=None,
                     help="Poisson arrivals per second instead of closed-loop clients")
     lb.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    lb.add_argument("--file-order", action="store_true",
+                    help="serve the prompts in file order (default: round-robin over task classes)")
     lb.add_argument("--surge", default=None,
                     help="arrival phases RATE:SECONDS, e.g. 0.5:60,8:60,0.5:60 (Poisson within each), "
                          "reported per phase; one --concurrency (default 16)")

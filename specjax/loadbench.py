@@ -129,6 +129,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                     for p, t in zip(prompts, arrivals):
                         s.submit(p.text, task=p.task, arrival=t)
                     s.prepare()
+                    s.warm()  # every method starts warm, as auto does after calibrating
                     done = [0]
 
                     def tick(s, done=done):
@@ -156,6 +157,8 @@ def _run_row(s, method: str, c: int, rep: int) -> dict:
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if s.cost is not None:
         row["cost_s_per_step"] = {f"{o[0]}:{o[1]}": t for o, t in s.cost.seconds.items()}
+        row["cost_s_per_step_by_batch_size"] = {
+            size: {f"{o[0]}:{o[1]}": t for o, t in c.seconds.items()} for size, c in s.costs.items()}
         row["acceptance"] = s.controller.summary()
     return row
 
@@ -322,7 +325,8 @@ def main(args) -> int:
     if getattr(engine, "heads", None) is not None:
         auto, auto_specs = _with_medusa(engine, plan.auto, specs.get("medusa"))
         plan = dataclasses.replace(plan, auto=auto)
-    prompts = interleave(prompts)
+    if not args.file_order:
+        prompts = interleave(prompts)
     print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"methods {', '.join(plan.methods)}, concurrency {plan.concurrency}, "
           f"{'Poisson %.2f req/s' % plan.rate if plan.rate else 'closed loop'}", file=sys.stderr)

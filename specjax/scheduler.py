@@ -99,7 +99,8 @@ def _head(graphdef, params, state, pstate, *, size: int):
 def _put_head(graphdef, params, state, pstate, sub, sub_pstate):
     """Writes a chunk run on the first rows back into the batch (and the table it updated)."""
     put = lambda big, small: big.at[: small.shape[0]].set(small)
-    return rows_map(put, state, sub, table_from=1), rows_map(put, pstate, sub_pstate)
+    state = rows_map(put, state, sub, table_from=1).replace(forwards=sub.forwards)  # the steps it ran
+    return state, rows_map(put, pstate, sub_pstate)
 
 
 def _label(o: Option) -> str:
@@ -357,6 +358,14 @@ class Scheduler:
             self.cost = self.costs[self.b]
             self.controller = Controller(self.ccfg, self.cost)
 
+    def warm(self) -> None:
+        """Runs every compiled loop once on placeholder rows, so that first-run costs (allocation,
+        caches) stay out of timed runs; "auto" does this while it calibrates."""
+        if self.costs:
+            return
+        for size in self.sizes:
+            self.calibrate(steps=1, repeats=1, size=size)
+
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
@@ -504,7 +513,7 @@ class Scheduler:
     def _decode_chunk(self, plan: Plan, active: list[Request], size: int) -> None:
         o = plan.option
         t0, start = self.clock(), self.now()
-        self.state, self.pstates, _ = self._run_loop(o, self.state, self.pstates, self.chunk, size=size)
+        self.state, self.pstates, steps = self._run_loop(o, self.state, self.pstates, self.chunk, size=size)
         t = self.now()
         tasks: dict[str, int] = {}
         for r in active:
@@ -512,7 +521,7 @@ class Scheduler:
         self.chunk_log.append(telemetry.ChunkRecord(
             start_s=start, seconds=self.clock() - t0, option=_label(o), reason=plan.reason,
             expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
-            batch_size=size))
+            batch_size=size, steps=steps))
         s = self.state
         tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
         stats = jax.tree.map(np.asarray, self._last_stats)

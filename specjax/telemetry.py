@@ -83,6 +83,7 @@ class ChunkRecord:
     tasks: dict[str, int]  # active rows per task class
     queued: int  # requests waiting for a slot
     batch_size: int = 0  # the batch size the chunk ran at (the slots, or a smaller size)
+    steps: int = 0  # target forwards it ran
 
     @property
     def speculated(self) -> bool:

@@ -246,8 +246,11 @@ def test_smaller_batch_sizes_keep_every_row_exact(eng, alone, method, sizes_seen
     assert [r.tokens for r in out] == alone
     for c in s.chunk_log:  # running rows are packed: each chunk ran at the smallest size holding them
         assert c.batch_size == min(x for x in (1, 2, 4) if x >= c.rows), c
+    assert sum(c.steps for c in s.chunk_log) == int(s.state.forwards)  # every chunk's steps counted
+    assert all(c.steps >= 1 for c in s.chunk_log)
     if method == "auto":
         assert set(s.costs) == {1, 2, 4}
+        assert all(0 < t < float("inf") for c in s.costs.values() for t in c.seconds.values()), s.costs
     sizes_seen.update(c.batch_size for c in s.chunk_log)
 
 
