@@ -172,7 +172,7 @@ def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
     from specjax.config import SpecConfig, parse_tree
     from specjax.engine import Engine, GenerateOptions
-    from specjax.prompts import bench_prompts
+    from specjax.prompts import bench_prompts, check_output_paths
 
     methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
     bad = [m for m in methods if m not in OFFLINE_METHODS]
@@ -181,6 +181,7 @@ def main(args) -> int:
         raise ValueError(f"unknown method {bad[0]!r}: use one of {', '.join(OFFLINE_METHODS)}{hint}")
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()
+    check_output_paths(args.json_path)
     repeats = 1 if args.repeats is None else args.repeats
     if repeats < 1 or args.batch_size < 1:
         raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")

@@ -272,6 +272,9 @@ class Decoder:
         the final hidden states at every prompt position `[B, P, D]`, for the proposer.
         """
         b, p = inputs.prompts.shape
+        if p + self.window > self.cache_length:
+            raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
+                             f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
         cache = KVCache.zeros(model.config, b, self.cache_length)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         hidden, cache = model.hidden_states(inputs.prompts, positions, cache)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import pathlib
 import resource
 import statistics
 import sys
@@ -294,7 +295,7 @@ def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
     from specjax.engine import GenerateOptions
     from specjax.config import parse_tree
-    from specjax.prompts import bench_prompts
+    from specjax.prompts import bench_prompts, check_output_paths
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     auto_ks = _int_list(args.auto_k, "auto-k")
@@ -310,6 +311,9 @@ def main(args) -> int:
                     batch_sizes=sizes)
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()
+    check_output_paths(args.json_path, args.telemetry, args.runs_json)
+    if args.plots:
+        check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
     if "draft" in plan.methods and not args.draft_model:
         raise ValueError("--methods includes draft: give --draft-model NAME")
     specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)

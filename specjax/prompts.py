@@ -73,3 +73,18 @@ def bench_prompts(path: str | None, *, per_task: int | None, tasks: str | None, 
     if not prompts:
         raise ValueError(f"no prompts left in {path} after --tasks/--per-task filtering")
     return prompts
+
+
+def check_output_paths(*paths: str | None) -> None:
+    """Creates the folders output files will go to, before any work is done; raises one clear error
+    when one cannot be written there."""
+    for path in paths:
+        if not path:
+            continue
+        parent = pathlib.Path(path).expanduser().resolve().parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot write {path}: its folder {parent} cannot be created ({e})") from None
+        if pathlib.Path(path).is_dir():
+            raise ValueError(f"{path} is a folder: give a file path")

@@ -211,3 +211,17 @@ def test_surge_bench_at_tiny_scale(tiny_model, tmp_path):
 ])
 def test_surge_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
     test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys)
+
+
+def test_output_folders_are_made_before_any_work(tmp_path, monkeypatch, capsys):
+    from specjax.prompts import check_output_paths
+
+    out = tmp_path / "new" / "deeper" / "records.json"
+    check_output_paths(str(out), None)
+    assert out.parent.is_dir()
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(ValueError, match="cannot be created"):
+        check_output_paths(str(tmp_path / "blocker" / "x.json"))
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert cli.main(["loadbench", "--json", str(tmp_path / "blocker" / "x.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
