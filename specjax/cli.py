@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--rate", type=float, default=None,
                     help="Poisson arrivals per second instead of closed-loop clients")
     lb.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    lb.add_argument("--auto-max-step-cost", type=float, default=None,
+                    help="auto never runs an option whose step costs more than this many plain steps at "
+                         "the chunk's batch size (a bound on inter-token latency)")
     lb.add_argument("--file-order", action="store_true",
                     help="serve the prompts in file order (default: round-robin over task classes)")
     lb.add_argument("--surge", default=None,

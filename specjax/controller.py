@@ -67,6 +67,10 @@ class ControllerConfig:
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more (method, K) options, e.g. ("medusa", 3) when only some K suit a method.
+      max_step_cost: a bound on inter-token latency: options whose step costs more than this many
+        plain steps at the chunk's batch size are never chosen (None: no bound). A verify step
+        that is 1.3x a plain step at batch 1 can be 2-4x at batch 16 on a compute-bound machine;
+        there a rejected window makes one token take that long, which is what raises ITL p99.
       replay_ngram: when prompt lookup is an option, the scheduler replays it on the host over
         the text other options commit (`specjax.proposers.ngram.replay`) and feeds what it would
         have kept to the estimates, so they need no chunk of prompt lookup to learn it pays.
@@ -81,6 +85,7 @@ class ControllerConfig:
     probe_every: int = 16
     probe_bonus: float = 1.0
     extra: tuple[Option, ...] = ()
+    max_step_cost: float | None = None
     replay_ngram: bool = True
 
     def __post_init__(self):
@@ -94,6 +99,8 @@ class ControllerConfig:
             raise ValueError(f"decay={self.decay}: must lie in (0, 1]")
         if self.probe_every < 1:
             raise ValueError(f"probe_every={self.probe_every}: must be >= 1")
+        if self.max_step_cost is not None and not self.max_step_cost >= 1:
+            raise ValueError(f"max_step_cost={self.max_step_cost}: must be >= 1 (plain steps)")
 
     @property
     def options(self) -> tuple[Option, ...]:
@@ -265,9 +272,15 @@ class Controller:
         tokens = sum(self.expected(r, option, optimistic=optimistic) for r in rows)
         return tokens / len(rows) / self.cost.relative(option)
 
+    def allowed(self) -> list[Option]:
+        """The speculative options within `max_step_cost` at the current cost model's batch size."""
+        bound = self.config.max_step_cost
+        return [o for o in self.config.options
+                if o != PLAIN and (bound is None or self.cost.relative(o) <= bound)]
+
     def best(self, rows: Sequence[Hashable], *, optimistic: bool = False) -> tuple[Option, float]:
         """The speculative option of highest expected gain, and that gain."""
-        gains = {o: self.gain(rows, o, optimistic=optimistic) for o in self.config.options if o != PLAIN}
+        gains = {o: self.gain(rows, o, optimistic=optimistic) for o in self.allowed()}
         if not gains:
             return PLAIN, 1.0
         option = max(gains, key=gains.get)
@@ -296,8 +309,7 @@ class Controller:
         self.plain_run += 1
         if probe and self.plain_run > self.config.probe_every:
             # the cheapest option that could pay: a probe that disappoints costs the least
-            could = [o for o in self.config.options if o != PLAIN
-                     and self.gain(rows, o, optimistic=True) >= 1.0 + self.config.margin]
+            could = [o for o in self.allowed() if self.gain(rows, o, optimistic=True) >= 1.0 + self.config.margin]
             if could:
                 option = min(could, key=self.cost.relative)
                 self.plain_run = 0

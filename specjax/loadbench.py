@@ -307,7 +307,8 @@ def main(args) -> int:
     sizes = _int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else (
         tuple(x for x in (1, 2, 4, 8, 16, 32, 64) if x < conc[0]) if phases else None)
     plan = LoadPlan(methods=methods, rate=args.rate, chunk=args.chunk, repeats=args.repeats or 1,
-                    concurrency=conc, auto=ControllerConfig(ks=(0,) + auto_ks), surge=phases,
+                    concurrency=conc, auto=ControllerConfig(ks=(0,) + auto_ks, max_step_cost=args.auto_max_step_cost),
+                    surge=phases,
                     batch_sizes=sizes)
     opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
     opts.validate()

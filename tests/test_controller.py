@@ -145,3 +145,16 @@ def test_bad_config():
         Controller(ControllerConfig(ks=(0, 3)), LIGHT)
     assert ControllerConfig(ks=(4, 2)).options == (PLAIN, ("ngram", 2), ("ngram", 4))
     assert ControllerConfig(ks=(2,), extra=(("medusa", 3),)).options[-1] == ("medusa", 3)
+
+
+def test_max_step_cost_bounds_the_options_at_this_batch_size():
+    """An option dearer than the bound is never chosen, however well it would pay; probes obey it too."""
+    cost = CostModel({("none", 0): 1.0, ("ngram", 2): 1.2, ("ngram", 4): 1.4, ("ngram", 8): 1.8})
+    c = Controller(ControllerConfig(max_step_cost=1.5, probe_every=1), cost)
+    c.add_row("r", task="t")
+    c.observe("r", "ngram", accepted_per_position=[10] * 8, steps=10)  # every draft kept
+    assert c.choose(["r"]).option == ("ngram", 4)  # K=8 would pay more, but costs 1.8 plain steps
+    c.cost = CostModel({("none", 0): 1.0, ("ngram", 2): 1.6, ("ngram", 4): 2.5, ("ngram", 8): 3.8}, batch=16)
+    assert c.allowed() == [] and all(c.choose(["r"]).option == ("none", 0) for _ in range(5))
+    with pytest.raises(ValueError, match="max_step_cost"):
+        ControllerConfig(max_step_cost=0.5)

@@ -14,7 +14,8 @@ from specjax.controller import ControllerConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.proposers import DraftModelProposer, registry
+from specjax.proposers import registry
+from specjax.proposers.base import Stateless
 from specjax.scheduler import Scheduler, poisson_arrivals
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
@@ -204,28 +205,36 @@ def test_bad_input_fails_before_compiling(eng, tiny_model):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SelectiveDraft(DraftModelProposer):
-    """The target as its own draft (always right under greedy), except for rows whose prompt starts
-    with a token >= 32: their drafts are shifted, so never accepted."""
+class SelectiveOracle(Stateless):
+    """Drafts the row's true greedy continuation (looked up by the prompt's first token) for prompts
+    starting below token 32, and always-wrong tokens for the others. Costs next to nothing, so the
+    controller's decision rests on acceptance alone."""
+
+    k: int
 
     def propose(self, params, pstate, state, sampling_config, keys):
-        draft, q, pstate = super().propose(params, pstate, state, sampling_config, keys)
+        cols = jnp.minimum(state.lengths[:, None] + jnp.arange(self.k)[None, :], params.shape[1] - 1)
+        true = params[state.tokens[:, 0]][jnp.arange(state.tokens.shape[0])[:, None], cols]
         wrong = state.tokens[:, :1] >= 32
-        return jnp.where(wrong, (draft + 1) % 64, draft), q, pstate
+        return jnp.where(wrong, (true + 1) % 64, true), None, pstate
 
 
 def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     """Class "copy" (drafts always right) keeps speculating, class "open" (never right) decodes plain
     once measured; the decision is in every chunk's record."""
-    factory = lambda spec, assets: SelectiveDraft.from_model(assets.target, k=spec.k)
-    monkeypatch.setitem(registry.FACTORIES, "selective", factory)
     eng = Engine(tiny_model)
-    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.5)  # timing-proof
+    tasks = ["copy", "open"] * 4
+    prompts = [[3 + i, 5, 7] if t == "copy" else [40 + i, 5, 7] for i, t in enumerate(tasks)]
+    table = np.zeros((64, 64), np.int32)
+    for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=M)):
+        table[p[0], : len(p) + len(r.tokens)] = p + r.tokens
+    monkeypatch.setitem(registry.FACTORIES, "selective",
+                        lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table)))
+    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)  # timing-proof
     s = Scheduler(eng, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=M), chunk=3,
                   max_prompt_tokens=16)
-    tasks = ["copy", "open"] * 4
-    for i, t in enumerate(tasks):
-        s.submit([3 + i, 5, 7] if t == "copy" else [40 + i, 5, 7], task=t)
+    for p, t in zip(prompts, tasks):
+        s.submit(p, task=t)
     out = s.run()
     spec = lambda r: sum(n for k, n in r.chunks.items() if k != "none") / sum(r.chunks.values())
     copy = [spec(r) for r in out if r.task == "copy"]
