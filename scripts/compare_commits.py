@@ -87,7 +87,7 @@ def main() -> None:
         for i in range(len(trees)):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / f"wt-{i}")],
                            capture_output=True)
-    print(f"| method | commit | tok/s | tau | TTFT p50 | compile (max) | identical to base |")
+    print("| method | commit | tok/s | tau | TTFT p50 | compile (max) | identical to base |")
     print("|---|---|---|---|---|---|---|")
     base_tokens = {}
     for m in METHODS:

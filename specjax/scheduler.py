@@ -46,7 +46,7 @@ from specjax import telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
 from specjax.decoder import Decoder, Inputs, State, Stats
-from specjax.state import insert_row, rows_map
+from specjax.state import DecodeState, insert_row, rows_map
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters

@@ -10,8 +10,7 @@ from flax import nnx
 from scipy import stats
 
 from specjax import sampling
-from specjax.config import SpecConfig
-from specjax.engine import Batch, Engine, GenerateOptions
+from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingConfig, SamplingParams
 from specjax.state import DecodeState

@@ -3,7 +3,6 @@
 They use the real SmolLM2-135M (fetched through the registry) and read `../shared/data` at run time.
 """
 
-import os
 import pathlib
 import re
 

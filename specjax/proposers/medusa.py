@@ -40,7 +40,7 @@ class MedusaParams:
 
     heads: Any  # the heads' nnx.State
     lm_head: Float[Array, "..."]
-    ids: Int[Array, "V2"] | None
+    ids: Int[Array, "Vs"] | None  # Vs: the subset size
     embed: Float[Array, "V D"]
 
 
