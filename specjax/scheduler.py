@@ -379,7 +379,9 @@ class Scheduler:
     def _insert_program(self, p: int):
         if ("insert", p) not in self._programs:
             args = self._insert_args(0, Request(id=-1, ids=[0], max_new_tokens=1), p)
-            self._programs[("insert", p)] = self._compile(_insert, *args, **self._statics)
+            # the row's prefill needs no n-gram table of its own: the batch's is kept by the insert
+            statics = dict(self._statics, base=dataclasses.replace(self._statics["base"], ngram_table=None))
+            self._programs[("insert", p)] = self._compile(_insert, *args, **statics)
         return self._programs[("insert", p)]
 
     def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
