@@ -26,6 +26,7 @@ class Output(NamedTuple):
     logits: Float[Array, "B T V"]
     hidden: Float[Array, "B T D"]  # final-normed hidden state, what the LM head reads
     cache: KVCache
+    taps: tuple = ()  # the residual stream entering each requested layer (`taps=`), [B, T, D] each
 
 
 def _param(rngs: nnx.Rngs, shape, dtype, scale: float) -> nnx.Param:
@@ -161,17 +162,25 @@ class Llama(nnx.Module):
           start: first cache slot of the window per row; defaults to `positions[:, 0]`.
           window_mask: visibility inside the window (tree verify); causal when None.
         """
+        hidden, cache, _ = self.features(tokens, positions, cache, start=start, window_mask=window_mask)
+        return hidden, cache
+
+    def features(self, tokens, positions, cache, *, start=None, window_mask=None, taps: tuple[int, ...] = ()):
+        """`hidden_states`, and the residual stream entering each layer in `taps` (the features an
+        EAGLE-3 head fuses): returns (hidden, cache, taps)."""
         if start is None:
             start = positions[:, 0]
         t = tokens.shape[1]
         mask = kv_cache.attention_mask(start, t, cache.length, window_mask)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
-        ks, vs = [], []
-        for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v):
+        ks, vs, tapped = [], [], {}
+        for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, cache.k, cache.v)):
+            if i in taps:
+                tapped[i] = x
             x, k_buf, v_buf = layer(x, positions, start, mask, k_buf, v_buf)
             ks.append(k_buf)
             vs.append(v_buf)
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs)), tuple(tapped[i] for i in taps)
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         """LM head: the tied embedding (`...D,VD->...V`) or an own projection."""
@@ -180,8 +189,10 @@ class Llama(nnx.Module):
             return jnp.einsum("...D,VD->...V", hidden, self.embed[...].astype(dt))
         return hidden @ self.lm_head[...].astype(dt)
 
-    def __call__(self, tokens, positions, cache, *, start=None, window_mask=None) -> Output:
-        hidden, cache = self.hidden_states(
-            tokens, positions, cache, start=start, window_mask=window_mask
-        )
-        return Output(self.logits(hidden), hidden, cache)
+    def __call__(self, tokens, positions, cache, *, start=None, window_mask=None,
+                 taps: tuple[int, ...] = ()) -> Output:
+        """Hidden states and logits; `taps` also returns the residual stream entering those layers
+        (the features an EAGLE-3 head fuses)."""
+        hidden, cache, tapped = self.features(tokens, positions, cache, start=start, window_mask=window_mask,
+                                              taps=tuple(taps))
+        return Output(self.logits(hidden), hidden, cache, tapped)

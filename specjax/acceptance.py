@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax import sampling
 from specjax.sampling import SamplingConfig, SamplingParams
+from specjax import tree
 from specjax.tree import Topology
 
 
@@ -114,13 +115,13 @@ def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepte
     the node listed first.
     """
     ok = jnp.concatenate([jnp.ones_like(ok[:, :1]), ok], axis=1)  # the root is always kept
-    anc = jnp.asarray(topo.ancestors)
-    reached = ~jnp.any(anc[None] & ~ok[:, None, :], axis=-1)  # [B, W]
-    depth = jnp.asarray(topo.depth)
-    leaf = jnp.argmax(jnp.where(reached, depth[None], -1), axis=1)
-    n = depth[leaf]
+    depth, anc = tree.batched(topo, ok.shape[0])  # [B, W], [B, W, W]: static or one tree per row
+    reached = ~jnp.any(anc & ~ok[:, None, :], axis=-1)  # [B, W]
+    leaf = jnp.argmax(jnp.where(reached, depth, -1), axis=1)
+    n = jnp.take_along_axis(depth, leaf[:, None], axis=1)[:, 0]
     d = jnp.arange(topo.max_depth + 1)
-    at_depth = anc[leaf][:, None, :] & (depth[None, None, :] == d[None, :, None])  # [B, D+1, W]
+    leaf_anc = jnp.take_along_axis(anc, leaf[:, None, None], axis=1)[:, 0]  # [B, W]
+    at_depth = leaf_anc[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, D+1, W]
     path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)
     return Accepted(n=n, path=path, next=jnp.take_along_axis(x, leaf[:, None], axis=1)[:, 0])
 
@@ -148,7 +149,7 @@ class Greedy:
 
     def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
         x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return walk(nodes == x[:, topo.parent[1:]], x, topo)
+        return walk(nodes == tree.at_parents(x, topo), x, topo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,7 @@ class SpecInfer:
 
     def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
         x = _draws(config, keys, logits, params)  # draws at all slots up front; the walk uses some
-        return walk(nodes == x[:, topo.parent[1:]], x, topo)
+        return walk(nodes == tree.at_parents(x, topo), x, topo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,7 @@ class TypicalAcceptance:
         if config.method == "greedy":
             return Greedy().accept(config, keys, nodes, q, logits, params, topo)
         p = sampling.probs(logits, params)  # [B, W, V]
-        p_par = p[:, topo.parent[1:]]  # [B, N, V]
+        p_par = tree.at_parents(p, topo)  # [B, N, V]
         p_x = jnp.take_along_axis(p_par, nodes[..., None], axis=-1)[..., 0]
         ent = -jnp.sum(jnp.where(p_par > 0, p_par * jnp.log(jnp.where(p_par > 0, p_par, 1.0)), 0.0), -1)
         ok = p_x > jnp.minimum(self.epsilon, self.delta * jnp.exp(-ent))

@@ -103,7 +103,7 @@ def _hf_generate(model, ids: list[int], max_new: int) -> tuple[list[int], float]
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-OFFLINE_METHODS = ("none", *FACTORIES)
+OFFLINE_METHODS = ("none", *FACTORIES, "eagle-tree")  # eagle-tree: eagle with a dynamic tree
 
 
 def run(engine, prompts, specs: dict, opts, *, chat: bool = False, batch_size: int = 1, repeats: int = 1,
@@ -168,9 +168,22 @@ def roofline(model) -> dict:
                 window_ms=window_costs(model))
 
 
+def spec_for(method: str, args):
+    """The `SpecConfig` of a bench method name (`eagle-tree`: eagle with a dynamic tree)."""
+    from specjax.config import SpecConfig, parse_tree
+
+    common = dict(ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    if method == "eagle-tree":
+        return SpecConfig(method="eagle", k=args.tree_depth, nodes=args.nodes or 16, topk=args.topk,
+                          draft_vocab=args.draft_vocab, **common)
+    if method == "eagle":
+        return SpecConfig(method="eagle", k=args.k, nodes=args.nodes or 0, topk=args.topk,
+                          draft_vocab=args.draft_vocab, **common)
+    return SpecConfig(method=method, k=args.k, tree=parse_tree(args.tree) if method == "medusa" else None, **common)
+
+
 def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
-    from specjax.config import SpecConfig, parse_tree
     from specjax.engine import Engine, GenerateOptions
     from specjax.prompts import bench_prompts, check_output_paths
 
@@ -187,12 +200,11 @@ def main(args) -> int:
         raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
     if "draft" in methods and not args.draft_model:
         raise ValueError("--methods includes draft: give --draft-model NAME")
-    tree = parse_tree(args.tree)
-    specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                           tree=tree if m == "medusa" else None) for m in methods}
+    specs = {m: spec_for(m, args) for m in methods}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
     heads = (args.heads or "default") if "medusa" in methods else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
     engine.check([p.text for p in prompts], opts, chat=args.chat)
     for spec in specs.values():
         engine.proposer(spec)

@@ -40,7 +40,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: str = "none") -> None:
     if many:
         p.add_argument("--methods", default=default,
-                       help="comma-separated: none,ngram,draft,medusa (bench), and auto (loadbench); "
+                       help="comma-separated: none,ngram,draft,medusa,eagle,eagle-tree (bench), and auto "
+                            "(loadbench); "
                             "none is always measured as the baseline")
     else:
         p.add_argument("--method", default="none", choices=["none", *FACTORIES, "auto"],
@@ -57,6 +58,15 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
                    help="Medusa candidate tree: a name (chain4, small, medium; heads = the tree "
                         "tuned with the heads) or paths as JSON, "
                         "e.g. '[[0],[1],[0,0]]'; default: a chain of --k heads")
+    p.add_argument("--eagle", default=None,
+                   help="EAGLE head directory for --method eagle (default: the head shipped for the model)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="eagle: nodes of the dynamic tree built each step (--k is its depth); 0 = a chain. "
+                        "bench's eagle-tree method defaults to 16")
+    p.add_argument("--topk", type=int, default=4, help="eagle trees: children per expanded node")
+    p.add_argument("--tree-depth", type=int, default=4, help="bench's eagle-tree method: the tree's depth")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="eagle: propose from the head's N most frequent tokens (0 = all of its draft vocabulary)")
 
 
 def _spec(args):
@@ -65,8 +75,9 @@ def _spec(args):
     if args.method in ("none", "auto"):
         return SpecConfig()
     tree = parse_tree(getattr(args, "tree", None))
+    eagle = dict(nodes=args.nodes or 0, topk=args.topk, draft_vocab=args.draft_vocab) if args.method == "eagle" else {}
     return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                      tree=tree)
+                      tree=tree, **eagle)
 
 
 def _prompts(args) -> list[Prompt]:
@@ -101,7 +112,8 @@ def cmd_generate(args) -> int:
     if args.method == "auto":
         return _generate_auto(args, opts, prompts)
     heads = (args.heads or "default") if spec.method == "medusa" else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    eagle = (args.eagle or "default") if spec.method == "eagle" else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
     texts = [p.text for p in prompts]
     b = min(args.batch_size, len(prompts))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
@@ -221,9 +233,59 @@ def cmd_tune_heads(args) -> int:
     return 0
 
 
-def cmd_train_heads(args) -> int:
-    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
+MEDUSA_DEFAULTS = dict(steps=1000, batch_size=256, lr=1e-3, warmup=50, eval_every=200, save_every=100,
+                       conversations=1024)
+EAGLE_DEFAULTS = dict(steps=400, batch_size=4, lr=1e-3, warmup=20, eval_every=100, save_every=25,
+                      conversations=None)
+
+
+def cmd_train_eagle(args) -> int:
+    """Trains an EAGLE head teacher-forced on ShareGPT (`specjax.train_heads.eagle.train_eagle`)."""
     import pathlib
+
+    from specjax.models.eagle import EagleConfig
+    from specjax.train_heads.eagle import EagleTrainConfig, train_eagle
+
+    # Everything is checked before the model loads.
+    cfg = EagleTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                           warmup=args.warmup, weight_decay=args.weight_decay, unroll=args.unroll,
+                           eval_every=args.eval_every, save_every=args.save_every, keep=args.keep, seed=args.seed)
+    layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else ()
+    eagle = dict(features=args.features, feature_layers=layers, draft_vocab=args.draft_vocab)
+    if args.features == "final" and layers:
+        raise ValueError("--feature-layers is for --features fused")
+    if args.conversations is not None and args.conversations < 1 or args.eval_conversations < 1:
+        raise ValueError("--conversations and --eval-conversations must be >= 1")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise ValueError(f"--max-minutes={args.max_minutes}: must be > 0")
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    if args.draft_vocab < 1:
+        raise ValueError(f"--draft-vocab={args.draft_vocab}: must be >= 1")
+    EagleConfig(dim=1, vocab_size=args.draft_vocab, layer=_tiny_shape(), **eagle)  # features, layers
+    train_eagle(args.model, out, eagle=eagle, cfg=cfg, conversations=args.conversations,
+                eval_conversations=args.eval_conversations, max_minutes=args.max_minutes,
+                log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
+def _tiny_shape():
+    from specjax.models import config as model_config
+    return model_config.preset("tiny")
+
+
+def cmd_train_heads(args) -> int:
+    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`), or
+    an EAGLE head with `--kind eagle`."""
+    import pathlib
+
+    defaults = EAGLE_DEFAULTS if args.kind == "eagle" else MEDUSA_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.kind == "eagle":
+        return cmd_train_eagle(args)
 
     from specjax.models.heads import HeadsConfig
     from specjax.train_heads.train import TrainConfig, train_heads
@@ -317,16 +379,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
     t.add_argument("--token-input", action="store_true",
                    help="feed the heads the next token's embedding too (EAGLE/Hydra-style input)")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=256, help="token positions per step")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--kind", default="medusa", choices=["medusa", "eagle"],
+                   help="medusa: heads on self-distilled answers; eagle: one-layer feature head, teacher-forced")
+    t.add_argument("--steps", type=int, default=None, help="default 1000 (medusa) / 400 (eagle)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="token positions (medusa, default 256) or sequences (eagle, default 4) per step")
+    t.add_argument("--lr", type=float, default=None, help="default 1e-3")
+    t.add_argument("--warmup", type=int, default=None, help="default 50 (medusa) / 20 (eagle)")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--head-decay", type=float, default=0.8, help="loss weight w**m of head m")
-    t.add_argument("--eval-every", type=int, default=200)
-    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=None, help="default 200 (medusa) / 100 (eagle)")
+    t.add_argument("--save-every", type=int, default=None, help="default 100 (medusa) / 25 (eagle)")
     t.add_argument("--keep", type=int, default=3, help="training checkpoints kept")
-    t.add_argument("--conversations", type=int, default=1024, help="ShareGPT prompts to distill")
+    t.add_argument("--conversations", type=int, default=None,
+                   help="ShareGPT prompts to distill (medusa, default 1024) / training conversations "
+                        "(eagle, default steps x batch size)")
+    t.add_argument("--features", default="final", choices=["final", "fused"],
+                   help="eagle: the target's final hidden state (EAGLE-1) or fused low/mid/high layers (EAGLE-3)")
+    t.add_argument("--feature-layers", default=None, help="eagle --features fused: layers, e.g. 2,15,27")
+    t.add_argument("--draft-vocab", type=int, default=16384, help="eagle: tokens the head may propose")
+    t.add_argument("--seq-len", type=int, default=512, help="eagle: tokens per conversation")
+    t.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="eagle: stop (checkpointed) after this long; run again to continue")
     t.add_argument("--eval-conversations", type=int, default=64, help="of those, held out")
     t.add_argument("--max-new-tokens", type=int, default=128, help="response length (greedy)")
     t.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")

@@ -67,6 +67,11 @@ class SpecConfig:
       tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
         first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
         (resolved by the Engine). None = a chain of k heads' top-1.
+      nodes: eagle only: drafted nodes of the dynamic tree built each step (EAGLE-2), `k` its
+        depth; 0 drafts a chain of k.
+      topk: eagle trees: children per expanded node and frontier width.
+      draft_vocab: eagle only: propose from the head's `draft_vocab` most frequent tokens
+        (0 = its whole draft vocabulary); a smaller one makes each draft step cheaper.
       typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
         the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
         distribution.
@@ -78,6 +83,9 @@ class SpecConfig:
     ngram_max: int = 3
     ngram_table: int = 0
     tree: Tree | str | None = None
+    nodes: int = 0
+    topk: int = 4
+    draft_vocab: int = 0
     typical: tuple[float, float] | None = None
 
     def __post_init__(self):
@@ -87,6 +95,16 @@ class SpecConfig:
             raise ValueError(f"unknown method {self.method!r}: use one of none, {', '.join(FACTORIES)}")
         if self.tree is not None and self.method != "medusa":
             raise ValueError("tree= applies to method 'medusa' only")
+        if (self.nodes or self.draft_vocab) and self.method != "eagle":
+            raise ValueError("nodes= and draft_vocab= apply to method 'eagle' only")
+        for name in ("nodes", "draft_vocab"):
+            v = getattr(self, name)
+            if int(v) != v or v < 0:
+                raise ValueError(f"{name}={v}: must be an integer >= 0 (0 = off)")
+        if self.nodes > MAX_TREE_NODES:
+            raise ValueError(f"nodes={self.nodes}: at most {MAX_TREE_NODES} tree nodes are supported")
+        if int(self.topk) != self.topk or self.topk < 1:
+            raise ValueError(f"topk={self.topk}: must be an integer >= 1")
         if self.typical is not None and self.method == "none":
             raise ValueError("typical= is an acceptance rule: give a speculative method")
         if self.tree == HEADS_TREE:
@@ -129,7 +147,7 @@ class SpecConfig:
 
     @property
     def is_tree(self) -> bool:
-        return self.tree is not None
+        return self.tree is not None or bool(self.nodes)
 
     @property
     def window(self) -> int:
@@ -141,4 +159,6 @@ class SpecConfig:
                              "(Engine.resolve(spec))")
         if self.tree is not None:
             return len(self.tree) + 1
+        if self.nodes:
+            return self.nodes + 1
         return self.k + 1

@@ -55,6 +55,14 @@ MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
 
 
+def window_of(proposer) -> int:
+    """Tokens the target sees per step with this proposer (its tree's width, the root included)."""
+    dynamic = getattr(proposer, "topology", None)
+    if dynamic is not None:
+        return dynamic.width
+    return tree.topology(getattr(proposer, "paths", None) or chain(proposer.k)).width
+
+
 def round_up_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(n) - 1).bit_length())
 
@@ -194,18 +202,21 @@ class State:
     stats: Stats
 
 
-def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B N"], topo: tree.Topology) -> Output:
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B N"], topo: tree.Topology,
+           taps: tuple[int, ...] = ()) -> Output:
     """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
 
     A chain's window mask is the causal one; a tree's lets each node see only its ancestors.
+    `taps`: layers whose input the output also carries (for a proposer that reads them).
     """
     window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
     start = state.lengths - 1
-    positions = start[:, None] + jnp.asarray(topo.depth, jnp.int32)[None, :]
     if topo.is_chain:
-        return target(window, positions, state.cache)
-    mask = jnp.broadcast_to(jnp.asarray(topo.ancestors), (window.shape[0],) + topo.ancestors.shape)
-    return target(window, positions, state.cache, start=start, window_mask=mask)
+        positions = start[:, None] + jnp.arange(window.shape[1], dtype=jnp.int32)[None, :]
+        return target(window, positions, state.cache, taps=taps)
+    depth, mask = tree.batched(topo, window.shape[0])  # a static tree, or one per row (dynamic)
+    positions = start[:, None] + depth.astype(jnp.int32)
+    return target(window, positions, state.cache, start=start, window_mask=mask, taps=taps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,11 +258,20 @@ class Decoder:
                              "drafts a tree: use acceptance.SpecInfer() (lossless) or Greedy()")
 
     @property
-    def topology(self) -> tree.Topology:
-        """The verify window: the proposer's tree (a chain of K for chain proposers)."""
+    def topology(self) -> tree.Topology | tree.DynamicTopology:
+        """The verify window: the proposer's tree (a chain of K for chain proposers), or the node
+        budget of a tree the proposer builds each step (`tree.DynamicTopology`)."""
         if self.proposer is None:
             return tree.topology(())
+        dynamic = getattr(self.proposer, "topology", None)
+        if dynamic is not None:
+            return dynamic
         return tree.topology(getattr(self.proposer, "paths", None) or chain(self.proposer.k))
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose input the proposer reads (an EAGLE-3 head's fused features)."""
+        return tuple(getattr(self.proposer, "taps", ()) or ())
 
     @property
     def window(self) -> int:
@@ -269,7 +289,8 @@ class Decoder:
 
         Pad slots past a row's prompt are written to the cache but never attended: they lie after
         the row's query positions and are overwritten as the row generates. Returns the state and
-        the final hidden states at every prompt position `[B, P, D]`, for the proposer.
+        the features the proposer reads at every prompt position: the final hidden states
+        `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
         """
         b, p = inputs.prompts.shape
         if p + self.window > self.cache_length:
@@ -277,7 +298,7 @@ class Decoder:
                              f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
         cache = KVCache.zeros(model.config, b, self.cache_length)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        hidden, cache = model.hidden_states(inputs.prompts, positions, cache)
+        hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps)
         last = jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)
         logits = model.logits(last)[:, 0]
         tokens = jnp.zeros((b, self.cache_length), jnp.int32).at[:, :p].set(inputs.prompts)
@@ -290,7 +311,7 @@ class Decoder:
             contribute=inputs.contribute)
         first = sampling.sample(self.sampling, step_keys(state), logits, inputs.sampling)
         state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
-        return state, hidden
+        return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
 
     def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
         """The proposer's state after the prefill (None for the plain loop)."""
@@ -314,7 +335,9 @@ class Decoder:
         state, topo = s.decode, self.topology
         nodes, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
                                                  step_keys(state, salt=1))
-        out = verify(model, state, nodes, topo)
+        if isinstance(nodes, tree.DraftTree):  # a tree built this step: its shape is traced
+            nodes, topo = nodes.tokens, nodes.window
+        out = verify(model, state, nodes, topo, self.taps)
         acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
                                      state.sampling, topo)
         active = ~state.done

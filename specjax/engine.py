@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import decoder as core
-from specjax import sampling, telemetry, tree
+from specjax import sampling, telemetry
 from specjax.config import HEADS_TREE, SpecConfig
 from specjax.decoder import MAX_STOP_IDS, Decoder, Inputs, State
 from specjax.proposers import registry
@@ -136,12 +136,15 @@ class Engine:
 
     @classmethod
     def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32",
-             draft_model: str | None = None, heads: str | None = None, **kw) -> "Engine":
+             draft_model: str | None = None, heads: str | None = None, eagle: str | None = None,
+             **kw) -> "Engine":
         """Loads a registry model, optionally a draft model with the same vocabulary and Medusa heads.
 
         Args:
           heads: a heads directory written by `specjax train-heads`, or "default" for the heads
             shipped with the model (`specjax.models.heads_io.shipped_heads_dir`).
+          eagle: an EAGLE head directory (`specjax train-heads --kind eagle`), or "default" for the
+            one shipped with the model.
         """
         from specjax.models import loader
 
@@ -152,7 +155,31 @@ class Engine:
             eng.set_draft(d.model, d.tokenizer)
         if heads is not None:
             eng.load_heads(heads)
+        if eagle is not None:
+            eng.load_eagle(eagle)
         return eng
+
+    def load_eagle(self, path: str) -> None:
+        """Loads an EAGLE head from a directory ("default": the one shipped for this model)."""
+        from specjax.models import eagle_io
+
+        if path == "default":
+            found = eagle_io.shipped_eagle_dir(self.name)
+            if found is None:
+                raise ValueError(f"no EAGLE head is shipped for model {self.name!r}: train one with "
+                                 f"`specjax train-heads --kind eagle --model {self.name} --out DIR`, pass --eagle DIR")
+            path = found
+        head, ids, manifest = eagle_io.load_head(path, model_name=self.name, weights_id=self.weights_id)
+        self.set_eagle(head, ids, manifest)
+
+    def set_eagle(self, head: nnx.Module, draft_ids, manifest: dict | None = None) -> None:
+        """Sets the EAGLE head of `method="eagle"` (`specjax.models.eagle.EagleHead`) and its draft
+        vocabulary (token ids, most frequent first)."""
+        from specjax.proposers.eagle import EagleProposer
+
+        ids = tuple(int(t) for t in np.asarray(draft_ids).ravel())
+        EagleProposer.from_head(head, ids, self.model, k=1)  # raises if it does not fit the target
+        self.assets.eagle = registry.LoadedEagle(module=head, ids=ids, manifest=dict(manifest or {}))
 
     # ---- assets: what proposers are built from ----------------------------------------------
     @property
@@ -242,7 +269,7 @@ class Engine:
         """
         proposer, pparams = self.proposer(spec)
         if cache_length is None:
-            window = 1 if proposer is None else tree.topology(proposer.paths).width
+            window = 1 if proposer is None else core.window_of(proposer)
             cache_length = core.cache_length(prompt_bucket, max_new_tokens, max(window, headroom))
         dec = Decoder(cache_length=cache_length, proposer=proposer, sampling=sampling,
                       acceptance=registry.acceptance_rule(spec) if proposer is not None else None,

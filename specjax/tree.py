@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from flax import struct
+
 from specjax.config import Tree, chain
 from specjax.models.kv_cache import KVCache
 
@@ -52,6 +54,80 @@ class Topology:
     @property
     def is_chain(self) -> bool:
         return bool(np.all(self.parent[1:] == np.arange(self.num_nodes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTopology:
+    """The static side of a window whose tree a proposer builds on device each step (EAGLE-2's
+    dynamic tree): only its node budget N and its deepest level are fixed; the parents, depths and
+    ancestor masks of each row arrive with the drafts as a `Window`."""
+
+    num_nodes: int
+    max_depth: int
+    is_chain: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.num_nodes + 1
+
+
+@struct.dataclass
+class Window:
+    """A traced topology, one tree per row (same fields as `Topology`, with a leading batch axis).
+
+    Slot 0 is the root (the pending token); a node's parent precedes it.
+    """
+
+    parent: Int[Array, "B W"]
+    depth: Int[Array, "B W"]
+    ancestors: Array  # [B, W, W] bool
+    max_depth: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def from_parents(cls, parent: Int[Array, "B W"], max_depth: int) -> "Window":
+        """Depths and ancestor masks from parent slots (the root, slot 0, is its own parent)."""
+        b, w = parent.shape
+        eye = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))
+        anc, cur, depth = eye, jnp.broadcast_to(jnp.arange(w), (b, w)), jnp.zeros((b, w), jnp.int32)
+        for _ in range(max_depth):  # walk every slot up one level at a time
+            up = jnp.take_along_axis(parent, cur, axis=1)
+            depth = depth + (cur != 0).astype(jnp.int32)
+            anc = anc | jax.nn.one_hot(up, w, dtype=bool)
+            cur = up
+        return cls(parent=parent, depth=depth, ancestors=anc, max_depth=max_depth)
+
+    @property
+    def width(self) -> int:
+        return self.parent.shape[1]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parent.shape[1] - 1
+
+    is_chain = False
+
+
+@struct.dataclass
+class DraftTree:
+    """What a dynamic-tree proposer drafts: the nodes' tokens `[B, N]` and the tree they form."""
+
+    tokens: Int[Array, "B N"]
+    window: Window
+
+
+def at_parents(x: Array, topo: "Topology | Window") -> Array:
+    """`x[:, parent(w)]` for every drafted node w: the value at each node's parent slot."""
+    if isinstance(topo, Window):
+        idx = topo.parent[:, 1:].reshape(topo.parent.shape[:1] + (-1,) + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+    return x[:, topo.parent[1:]]
+
+
+def batched(topo: "Topology | Window", batch: int) -> tuple[Array, Array]:
+    """(depth [B, W], ancestors [B, W, W]) of a static or traced topology."""
+    depth, anc = jnp.asarray(topo.depth), jnp.asarray(topo.ancestors)
+    return (jnp.broadcast_to(depth, (batch,) + depth.shape[-1:]),
+            jnp.broadcast_to(anc, (batch,) + anc.shape[-2:]))
 
 
 @functools.lru_cache(maxsize=128)

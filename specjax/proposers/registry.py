@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from specjax import acceptance
 from specjax.proposers.draft_model import DraftModelProposer
+from specjax.proposers.eagle import EagleProposer
 from specjax.proposers.medusa import LoadedHeads, MedusaProposer
 from specjax.proposers.ngram import NgramProposer
 
@@ -23,12 +24,23 @@ class Assets:
     target: Any
     draft: Any = None
     heads: LoadedHeads | None = None
+    eagle: "LoadedEagle | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedEagle:
+    """A trained EAGLE head, its draft vocabulary (most frequent first) and its manifest."""
+
+    module: Any
+    ids: tuple[int, ...]
+    manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
 FACTORIES: dict[str, Callable] = {
     "ngram": NgramProposer.from_spec,
     "draft": DraftModelProposer.from_spec,
     "medusa": MedusaProposer.from_spec,
+    "eagle": EagleProposer.from_spec,
 }
 
 

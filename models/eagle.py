@@ -1,0 +1,211 @@
+"""EAGLE-style draft head: one decoder layer that predicts the target's next feature.
+
+Entry t of the head reads `fc([feature_t, embed(x_{t+1})])` (the target's feature at position t and
+the token after it), runs one Llama decoder layer with its own position-indexed KV cache, and
+returns `out_t`, its prediction of the target's feature at position t + 1. The draft's logits are
+the frozen, tied LM head applied to `norm(out_t)`, restricted to a frequency-ranked draft
+vocabulary; they predict x_{t+2}. Drafting feeds the head its own predicted features: entry t + 1
+reads `(out_t, x̂_{t+2})`, and so on (Li et al. 2024, EAGLE).
+
+Which target features it reads is a config choice: the final-normed hidden state, what the LM head
+reads (EAGLE-1), or the residual stream entering a few low/middle/high layers, fused by a linear
+map (EAGLE-3's fusion). The head's own recurrent feature is always its `out`.
+
+Training unrolls the head on its own predictions ("training-time test", EAGLE-3): step j feeds
+entry t with step j-1's prediction for position t and lets it attend the real entries up to
+t - j and its own chain of predictions, exactly the context it sees when drafting at depth j + 1
+(`EagleHead.unroll`, tested against the cached drafting path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax.models import llama
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+
+FEATURES = ("final", "fused")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleConfig:
+    """Shape of an EAGLE head for one target (hashable: part of the proposer's static side).
+
+    Attributes:
+      features: "final" (the final-normed hidden state, EAGLE-1) or "fused" (the residual stream
+        entering `feature_layers` of the target, concatenated and mapped to D, EAGLE-3).
+      feature_layers: target layers whose input the "fused" head reads.
+      draft_vocab: tokens the head may propose (the most frequent in the training data).
+      layer: the decoder layer's shape (heads, kv heads, ffn) = the target's by default.
+    """
+
+    dim: int
+    vocab_size: int
+    layer: ModelConfig
+    features: str = "final"
+    feature_layers: tuple[int, ...] = ()
+    draft_vocab: int = 16384
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.features not in FEATURES:
+            raise ValueError(f"features={self.features!r}: choose one of {FEATURES}")
+        if self.features == "fused" and len(self.feature_layers) < 2:
+            raise ValueError("features='fused' needs feature_layers (e.g. (2, 15, 27) for 30 layers)")
+        if self.features == "final" and self.feature_layers:
+            raise ValueError("feature_layers is for features='fused'")
+        if not 0 < self.draft_vocab <= self.vocab_size:
+            raise ValueError(f"draft_vocab={self.draft_vocab}: must lie in [1, {self.vocab_size}]")
+
+    @classmethod
+    def for_model(cls, target: ModelConfig, **kw) -> "EagleConfig":
+        """A head shaped like one layer of `target`; "fused" defaults to layers 2, L/2 and L-3."""
+        if kw.get("features") == "fused" and not kw.get("feature_layers"):
+            n = target.num_layers
+            kw["feature_layers"] = tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)}))
+        kw["feature_layers"] = tuple(kw.get("feature_layers", ()))
+        kw.setdefault("draft_vocab", min(16384, target.vocab_size))
+        layer = dataclasses.replace(target, name=f"{target.name}-eagle", num_layers=1)
+        return cls(dim=target.dim, vocab_size=target.vocab_size, layer=layer, **kw)
+
+    @property
+    def num_features(self) -> int:
+        """Target feature vectors per position the head reads."""
+        return 1 if self.features == "final" else len(self.feature_layers)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layer"] = dataclasses.asdict(self.layer)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EagleConfig":
+        d = dict(d)
+        d["layer"] = ModelConfig(**d["layer"])
+        d["feature_layers"] = tuple(d.get("feature_layers", ()))
+        return cls(**d)
+
+
+def target_features(target: llama.Llama, config: EagleConfig, tokens: Int[Array, "B T"],
+                    positions: Int[Array, "B T"], cache: KVCache, *, start=None, window_mask=None):
+    """The target's forward, also returning the features this head reads at every position.
+
+    Returns (Output, features [B, T, F * D]).
+    """
+    out = target(tokens, positions, cache, start=start, window_mask=window_mask, taps=config.feature_layers)
+    return out, features_of(config, out)
+
+
+def lm_rows(target: llama.Llama, ids: Int[Array, "Vd"]) -> Float[Array, "Vd D"]:
+    """The target's LM head restricted to the draft vocabulary, as rows `[Vd, D]` (tied or not)."""
+    if target.config.tie_embeddings:
+        return jnp.take(target.embed[...], ids, axis=0)
+    return jnp.take(target.lm_head[...], ids, axis=1).T
+
+
+def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T FD"]:
+    """The features an EAGLE head reads from a target forward's output (see `taps`)."""
+    return out.hidden if config.features == "final" else jnp.concatenate(out.taps, axis=-1)
+
+
+class EagleHead(nnx.Module):
+    """One decoder layer over `fc([feature, token embedding])` (see the module docstring)."""
+
+    def __init__(self, config: EagleConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config.layer
+        d, wd = config.dim, c.weight_dtype
+        if config.num_features > 1:
+            f = config.num_features * d
+            self.fuse = nnx.Param(jax.random.normal(rngs.params(), (f, d), wd) * f**-0.5)
+        self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), wd) * (2 * d) ** -0.5)
+        self.attn_norm = llama.RMSNorm(d, c.norm_eps, wd)
+        self.attn = llama.Attention(c, rngs)
+        self.mlp_norm = llama.RMSNorm(d, c.norm_eps, wd)
+        self.mlp = llama.MLP(c, rngs)
+        self.norm = llama.RMSNorm(d, c.norm_eps, wd)
+
+    # ---- inputs and outputs ----------------------------------------------------------------
+    def lift(self, features: Float[Array, "... FD"]) -> Float[Array, "... D"]:
+        """The target's features as the head's input feature (fused to D for "fused")."""
+        dt = self.config.layer.compute_dtype
+        if self.config.num_features == 1:
+            return features.astype(dt)
+        return features.astype(dt) @ self.fuse[...].astype(dt)
+
+    def _input(self, feature, emb):
+        dt = self.config.layer.compute_dtype
+        return jnp.concatenate([feature.astype(dt), emb.astype(dt)], axis=-1) @ self.fc[...].astype(dt)
+
+    def logits(self, out: Float[Array, "... D"], weight: Float[Array, "Vd D"]) -> Float[Array, "... Vd"]:
+        """Draft logits over the draft vocabulary (`weight`: the LM head's rows for it)."""
+        h = self.norm(out)
+        return jnp.einsum("...D,VD->...V", h, weight.astype(h.dtype))
+
+    def cache(self, batch: int, length: int) -> KVCache:
+        return KVCache.zeros(self.config.layer, batch, length)
+
+    # ---- drafting: entries written into the head's cache -----------------------------------
+    def __call__(self, feature: Float[Array, "B T D"], emb: Float[Array, "B T D"],
+                 positions: Int[Array, "B T"], start: Int[Array, "B"], mask: Bool[Array, "B T S"],
+                 cache: KVCache) -> tuple[Float[Array, "B T D"], KVCache]:
+        """T entries written at cache slots `start .. start+T-1` (RoPE at `positions`), each
+        attending the slots `mask` allows; returns their predicted next features."""
+        x = self._input(feature, emb)
+        h, k, v = self.attn(self.attn_norm(x), positions, start, mask, cache.k[0], cache.v[0])
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), KVCache(k=(k,), v=(v,))
+
+    # ---- training: the unrolled head ----------------------------------------------------------
+    def unroll(self, feature: Float[Array, "B T D"], emb: Float[Array, "B T D"],
+               steps: int) -> list[Float[Array, "B T D"]]:
+        """The head run `steps` times over a sequence, each time on its own previous predictions.
+
+        `feature[:, t]` is the target's (lifted) feature at position t, `emb[:, t]` the embedding
+        of token t + 1. Step 0 is teacher-forced; step j feeds entry t with step j-1's prediction
+        for position t (`out_{j-1}[t-1]`) and lets it attend step 0's keys at positions <= t - j
+        and step i's key at position t - j + i (i = 1..j): at inference the entry at depth j + 1
+        sees the committed context and its own draft ancestors, the same set. Returns each
+        step's predictions of the feature at t + 1.
+        """
+        c = self.config.layer
+        b, t, _ = feature.shape
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        scale = c.head_dim**-0.5
+        keys, values, outs = [], [], []
+        g = feature
+        for j in range(steps):
+            x = self._input(g, emb)
+            hn = self.attn_norm(x)
+            q = llama.rope(self.attn._proj(hn, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim),
+                           pos, c.rope_theta)
+            keys.append(llama.rope(self.attn._proj(hn, "k").reshape(b, t, c.num_kv_heads, c.head_dim),
+                                   pos, c.rope_theta))
+            values.append(self.attn._proj(hn, "v").reshape(b, t, c.num_kv_heads, c.head_dim))
+            s0 = jnp.einsum("BTKGH,BSKH->BTKGS", q, keys[0]).astype(jnp.float32) * scale
+            causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None] - j  # [T, S]: s <= t - j
+            scores = [jnp.where(causal[None, :, None, None, :], s0, -1e30)]
+            shifted_v = []
+            for i in range(1, j + 1):  # step i's key at position t - (j - i)
+                lag = j - i
+                k_i = jnp.pad(keys[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
+                v_i = jnp.pad(values[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
+                s_i = jnp.einsum("BTKGH,BTKH->BTKG", q, k_i).astype(jnp.float32) * scale
+                ok = (jnp.arange(t) >= lag)[None, :, None, None]
+                scores.append(jnp.where(ok, s_i, -1e30)[..., None])
+                shifted_v.append(v_i)
+            probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(x.dtype)
+            att = jnp.einsum("BTKGS,BSKH->BTKGH", probs[..., :t], values[0])
+            for i, v_i in enumerate(shifted_v):
+                att = att + probs[..., t + i, None] * v_i[:, :, :, None, :]
+            x = x + self.attn._proj(att.reshape(b, t, -1), "o")
+            out = x + self.mlp(self.mlp_norm(x))
+            outs.append(out)
+            g = jnp.pad(out, ((0, 0), (1, 0), (0, 0)))[:, :t]  # entry t reads the prediction for t
+        return outs

@@ -1,0 +1,136 @@
+"""EAGLE heads: the training unroll equals the drafting path; training learns and resumes exactly."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import eagle_io
+from specjax.models.eagle import EagleConfig, EagleHead
+from specjax.models.kv_cache import attention_mask
+from specjax.train_heads import eagle as train
+
+
+@pytest.fixture(scope="module")
+def config(tiny_config):
+    return EagleConfig.for_model(tiny_config, draft_vocab=48)
+
+
+def test_unroll_equals_drafting_with_the_cache(config):
+    """Step j of the unroll at position t = the head drafting at depth j + 1 from the real entries
+    up to t - j, written into its cache one entry at a time."""
+    head = EagleHead(config, rngs=nnx.Rngs(1))
+    t, d = 9, config.dim
+    k1, k2 = jax.random.split(jax.random.key(0))
+    feat = jax.random.normal(k1, (1, t, d))
+    emb = jax.random.normal(k2, (1, t, d))
+    outs = head.unroll(feat, emb, 3)
+    cache = head.cache(1, t)
+    pos = jnp.arange(t)[None]
+    real, cache = head(feat, emb, pos, jnp.zeros(1, jnp.int32), attention_mask(jnp.zeros(1, jnp.int32), t, t), cache)
+    np.testing.assert_allclose(outs[0], real, atol=1e-5)
+    for j in (1, 2):
+        for tt in range(j, t):
+            c, g = cache, real[:, tt - j]  # the prediction for position tt - j + 1 from the real entry
+            for i in range(1, j + 1):  # draft entries at positions tt - j + i
+                p = tt - j + i
+                start = jnp.array([p], jnp.int32)
+                g, c = head(g[:, None], emb[:, p:p + 1], jnp.array([[p]]), start, attention_mask(start, 1, t), c)
+                g = g[:, 0]
+            np.testing.assert_allclose(outs[j][:, tt], g, atol=1e-5, err_msg=f"step {j} position {tt}")
+
+
+def test_fused_features_read_the_residual_stream(tiny_model, tiny_config):
+    cfg = EagleConfig.for_model(tiny_config, features="fused", draft_vocab=32)
+    assert cfg.feature_layers == (1,) or len(cfg.feature_layers) >= 2  # tiny has 2 layers
+    cfg = EagleConfig.for_model(tiny_config, features="fused", feature_layers=(0, 1), draft_vocab=32)
+    from specjax.models import eagle
+    from specjax.models.kv_cache import KVCache
+    toks = jnp.arange(6)[None] % 64
+    out, f = eagle.target_features(tiny_model, cfg, toks, jnp.arange(6)[None], KVCache.zeros(tiny_config, 1, 6))
+    assert f.shape == (1, 6, 2 * tiny_config.dim)
+    emb = jnp.take(tiny_model.embed[...], toks, axis=0)
+    np.testing.assert_allclose(f[..., : tiny_config.dim], emb, atol=1e-6)  # layer 0's input is the embedding
+    head = EagleHead(cfg, rngs=nnx.Rngs(0))
+    assert head.lift(f).shape == (1, 6, tiny_config.dim)
+
+
+def test_bad_configs(tiny_config):
+    with pytest.raises(ValueError, match="features"):
+        EagleConfig.for_model(tiny_config, features="middle")
+    with pytest.raises(ValueError, match="draft_vocab"):
+        EagleConfig.for_model(tiny_config, draft_vocab=10**6)
+    with pytest.raises(ValueError, match="seq_len"):
+        train.EagleTrainConfig(seq_len=2)
+
+
+def copy_task(n: int, t: int, seed: int) -> train.Sequences:
+    """Sequences that repeat a random 4-token motif: learnable from the context."""
+    rng = np.random.default_rng(seed)
+    motifs = rng.integers(1, 64, size=(n, 4))
+    toks = np.tile(motifs, (1, t // 4 + 1))[:, :t].astype(np.int32)
+    mask = np.ones_like(toks, bool)
+    mask[:, :4] = False
+    return train.Sequences(toks, mask)
+
+
+def small_cfg(**kw):
+    base = dict(steps=40, batch_size=4, seq_len=16, lr=3e-3, warmup=2, unroll=2, save_every=10,
+                eval_every=1000, log_every=5)
+    return train.EagleTrainConfig(**{**base, **kw})
+
+
+def test_training_learns_a_copy_task_and_resumes_exactly(tiny_model, config, tmp_path):
+    data, held = copy_task(64, 16, 0), copy_task(8, 16, 1)
+    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    cfg = small_cfg(steps=100, lr=1e-2, save_every=25)
+    full = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "a", cfg)
+    before = full.evaluate()
+    after = full.fit(progress=False)
+    # the labels are the random target's own (near-flat) distributions: its argmax is learned
+    assert after["acc"][0] > before["acc"][0] + 0.2 and after["feat"][0] < 0.6 * before["feat"][0], (before, after)
+    # interrupted at step 50, resumed in a new trainer: the same parameters as the uninterrupted run
+    part = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", cfg)
+    part.fit(stop_at=50, progress=False)
+    part.ckpts.close()
+    resumed = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", cfg)
+    assert resumed.resume() == 50
+    resumed.fit(progress=False)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), full.params,
+                 resumed.params)
+    # another run's settings are refused
+    other = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", small_cfg(steps=100, lr=1e-3))
+    with pytest.raises(ValueError, match="another run"):
+        other.resume()
+    # the saved head loads back with its vocabulary
+    eagle_io.save_head(tmp_path / "head", full.head, ids, dict(model="tiny", weights_id="w"))
+    head, got_ids, manifest = eagle_io.load_head(tmp_path / "head", model_name="tiny")
+    np.testing.assert_array_equal(got_ids, ids)
+    assert manifest["format"] == eagle_io.FORMAT
+    with pytest.raises(ValueError, match="trained for"):
+        eagle_io.load_head(tmp_path / "head", model_name="smollm2-135m")
+
+
+def test_data_parallel_over_two_devices(tiny_model, config, tmp_path):
+    assert len(jax.devices()) == 2  # conftest's fake CPU devices
+    data, held = copy_task(16, 16, 0), copy_task(4, 16, 1)
+    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    tr = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path, small_cfg(steps=3))
+    tokens, _ = tr._batch(data, np.arange(4))
+    assert len(tokens.sharding.device_set) == 2
+    tr.fit(progress=False)
+    with pytest.raises(ValueError, match="divide"):
+        train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "x", small_cfg(batch_size=3))
+
+
+def test_conversation_encoding_masks_assistant_text(smollm2):
+    tok = smollm2.tokenizer
+    msgs = [dict(role="user", content="Hi there"), dict(role="assistant", content="Hello! How can I help?")]
+    toks, mask = train.encode_conversation(tok, msgs, 256)
+    full = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False))
+    assert toks.tolist() == full  # the pieces tokenize as the whole
+    learned = tok.decode(toks[mask].tolist())
+    assert learned.startswith("Hello! How can I help?") and "user" not in learned
