@@ -168,18 +168,16 @@ def roofline(model) -> dict:
                 window_ms=window_costs(model))
 
 
-def spec_for(method: str, args):
-    """The `SpecConfig` of a bench method name (`eagle-tree`: eagle with a dynamic tree)."""
+def spec_for(method: str, args, engine=None):
+    """The `SpecConfig` of a bench method name; `eagle` / `eagle-tree` are the loaded head's tuned
+    chain / dynamic tree (flags override), so they need the `engine`."""
+    from specjax.cli import eagle_spec
     from specjax.config import SpecConfig, parse_tree
 
-    common = dict(ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-    if method == "eagle-tree":
-        return SpecConfig(method="eagle", k=args.tree_depth, nodes=args.nodes or 16, topk=args.topk,
-                          draft_vocab=args.draft_vocab, **common)
-    if method == "eagle":
-        return SpecConfig(method="eagle", k=args.k, nodes=args.nodes or 0, topk=args.topk,
-                          draft_vocab=args.draft_vocab, **common)
-    return SpecConfig(method=method, k=args.k, tree=parse_tree(args.tree) if method == "medusa" else None, **common)
+    if method in ("eagle", "eagle-tree"):
+        return None if engine is None else eagle_spec(engine, args, tree=method == "eagle-tree")
+    return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
+                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if method == "medusa" else None)
 
 
 def main(args) -> int:
@@ -205,6 +203,7 @@ def main(args) -> int:
     heads = (args.heads or "default") if "medusa" in methods else None
     eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
+    specs = {m: spec or spec_for(m, args, engine) for m, spec in specs.items()}
     engine.check([p.text for p in prompts], opts, chat=args.chat)
     for spec in specs.values():
         engine.proposer(spec)

@@ -47,7 +47,8 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
         p.add_argument("--method", default="none", choices=["none", *FACTORIES, "auto"],
                        help="speculation method (none = plain decoding; auto = the adaptive controller "
                             "through the scheduler, with the plain loop measured beside it)")
-    p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
+    p.add_argument("--k", type=int, default=None,
+                   help="drafted tokens per step (default 4; eagle: the head's tuned chain, or tree depth)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=3)
@@ -61,12 +62,11 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
     p.add_argument("--eagle", default=None,
                    help="EAGLE head directory for --method eagle (default: the head shipped for the model)")
     p.add_argument("--nodes", type=int, default=None,
-                   help="eagle: nodes of the dynamic tree built each step (--k is its depth); 0 = a chain. "
-                        "bench's eagle-tree method defaults to 16")
-    p.add_argument("--topk", type=int, default=4, help="eagle trees: children per expanded node")
-    p.add_argument("--tree-depth", type=int, default=4, help="bench's eagle-tree method: the tree's depth")
-    p.add_argument("--draft-vocab", type=int, default=0,
-                   help="eagle: propose from the head's N most frequent tokens (0 = all of its draft vocabulary)")
+                   help="eagle: nodes of the dynamic tree built each step (--k is its depth; default: "
+                        "a chain). Unset values come from the head's tuning (tune-heads --eagle)")
+    p.add_argument("--topk", type=int, default=None, help="eagle trees: children per expanded node")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle: propose from the head's N most frequent tokens (default: as tuned)")
 
 
 def _spec(args):
@@ -74,10 +74,18 @@ def _spec(args):
 
     if args.method in ("none", "auto"):
         return SpecConfig()
+    if args.method == "eagle":
+        return None  # from the loaded head's tuning (`eagle_spec`)
     tree = parse_tree(getattr(args, "tree", None))
-    eagle = dict(nodes=args.nodes or 0, topk=args.topk, draft_vocab=args.draft_vocab) if args.method == "eagle" else {}
-    return SpecConfig(method=args.method, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                      tree=tree, **eagle)
+    return SpecConfig(method=args.method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
+                      ngram_max=args.ngram_max, tree=tree)
+
+
+def eagle_spec(engine, args, *, tree: bool | None = None):
+    """`--method eagle`: the loaded head's tuned chain (or tree, with --nodes), flags overriding."""
+    tree = bool(args.nodes) if tree is None else tree
+    return engine.eagle.spec(tree=tree, k=args.k, nodes=args.nodes if tree else None,
+                             topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
 
 
 def _prompts(args) -> list[Prompt]:
@@ -104,16 +112,22 @@ def cmd_generate(args) -> int:
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     opts.validate()  # fail before the model is loaded
     spec = _spec(args)
+    for name in ("k", "nodes", "topk", "draft_vocab"):
+        v = getattr(args, name, None)
+        if v is not None and v < (0 if name == "nodes" else 1):
+            raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= {0 if name == 'nodes' else 1}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
-    if spec.method == "draft" and not args.draft_model:
+    if spec is not None and spec.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
     prompts = _prompts(args)
     if args.method == "auto":
         return _generate_auto(args, opts, prompts)
-    heads = (args.heads or "default") if spec.method == "medusa" else None
-    eagle = (args.eagle or "default") if spec.method == "eagle" else None
+    heads = (args.heads or "default") if spec is not None and spec.method == "medusa" else None
+    eagle = (args.eagle or "default") if args.method == "eagle" else None
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
+    if spec is None:
+        spec = eagle_spec(engine, args)
     texts = [p.text for p in prompts]
     b = min(args.batch_size, len(prompts))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
@@ -149,12 +163,19 @@ def _generate_auto(args, opts, prompts) -> int:
     from specjax.models import heads_io
     from specjax.scheduler import Scheduler
 
+    from specjax.models import eagle_io
+
     engine = Engine.load(args.model, dtype=args.dtype)
     if args.heads or heads_io.shipped_heads_dir(engine.name):
         engine.load_heads(args.heads or "default")
+    if args.eagle or eagle_io.shipped_eagle_dir(engine.name):
+        engine.load_eagle(args.eagle or "default")
     ccfg, named = ControllerConfig(), {}
     if engine.heads is not None:
         ccfg, named = loadbench._with_medusa(engine, ccfg, None)
+    if engine.eagle is not None:
+        ccfg, more = loadbench.with_eagle(engine, ccfg)
+        named = {**named, **more}
     texts = [p.text for p in prompts]
     longest = max(len(x) for x in engine.check(texts, opts, chat=args.chat))
     slots = min(args.batch_size, len(prompts))
@@ -218,6 +239,20 @@ def cmd_loadbench(args) -> int:
     from specjax import loadbench
 
     return loadbench.main(args)
+
+
+def cmd_tune_eagle(args) -> int:
+    import pathlib
+
+    from specjax.train_heads import tune_eagle
+
+    if not (pathlib.Path(args.eagle) / "manifest.json").is_file():
+        raise ValueError(f"--eagle {args.eagle}: no manifest.json there; give a train-heads --kind eagle directory")
+    if args.prompts < 1 or args.max_new_tokens < 2:
+        raise ValueError("--prompts must be >= 1 and --max-new-tokens >= 2")
+    tune_eagle.tune(args.eagle, args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
 
 
 def cmd_tune_heads(args) -> int:
@@ -410,12 +445,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train_heads)
 
     u = sub.add_parser("tune-heads", help="choose trained heads' token subset and candidate tree "
-                                          "from held-out accuracy and costs measured on this machine")
-    u.add_argument("--heads", required=True, help="heads directory (from train-heads)")
+                                          "from held-out accuracy and costs measured on this machine "
+                                          "(--eagle DIR: an EAGLE head's chain, tree and draft vocabulary)")
+    who = u.add_mutually_exclusive_group(required=True)
+    who.add_argument("--heads", help="Medusa heads directory (from train-heads)")
+    who.add_argument("--eagle", help="EAGLE head directory (from train-heads --kind eagle)")
     u.add_argument("--model", default="smollm2-135m")
-    u.add_argument("--vocab-size", type=int, default=8192, help="tokens the heads may propose")
-    u.add_argument("--max-nodes", type=int, default=32, help="largest tree considered")
-    u.set_defaults(func=cmd_tune_heads)
+    u.add_argument("--vocab-size", type=int, default=8192, help="medusa: tokens the heads may propose")
+    u.add_argument("--max-nodes", type=int, default=32, help="medusa: largest tree considered")
+    u.add_argument("--prompts", type=int, default=6, help="eagle: held-out ShareGPT prompts measured")
+    u.add_argument("--max-new-tokens", type=int, default=96, help="eagle: tokens per measured prompt")
+    u.set_defaults(func=lambda a: cmd_tune_eagle(a) if a.eagle else cmd_tune_heads(a))
     return parser
 
 

@@ -170,16 +170,23 @@ class Engine:
                                  f"`specjax train-heads --kind eagle --model {self.name} --out DIR`, pass --eagle DIR")
             path = found
         head, ids, manifest = eagle_io.load_head(path, model_name=self.name, weights_id=self.weights_id)
-        self.set_eagle(head, ids, manifest)
+        f = pathlib.Path(path) / "tuning.json"  # written by `specjax tune-heads --eagle`
+        self.set_eagle(head, ids, manifest, tuning=json.loads(f.read_text()) if f.is_file() else None)
 
-    def set_eagle(self, head: nnx.Module, draft_ids, manifest: dict | None = None) -> None:
-        """Sets the EAGLE head of `method="eagle"` (`specjax.models.eagle.EagleHead`) and its draft
-        vocabulary (token ids, most frequent first)."""
+    def set_eagle(self, head: nnx.Module, draft_ids, manifest: dict | None = None,
+                  tuning: dict | None = None) -> None:
+        """Sets the EAGLE head of `method="eagle"` (`specjax.models.eagle.EagleHead`), its draft
+        vocabulary (token ids, most frequent first) and its tuned settings (`LoadedEagle.spec`)."""
         from specjax.proposers.eagle import EagleProposer
 
         ids = tuple(int(t) for t in np.asarray(draft_ids).ravel())
         EagleProposer.from_head(head, ids, self.model, k=1)  # raises if it does not fit the target
-        self.assets.eagle = registry.LoadedEagle(module=head, ids=ids, manifest=dict(manifest or {}))
+        self.assets.eagle = registry.LoadedEagle(module=head, ids=ids, manifest=dict(manifest or {}),
+                                                 tuning=tuning)
+
+    @property
+    def eagle(self) -> "registry.LoadedEagle | None":
+        return self.assets.eagle
 
     # ---- assets: what proposers are built from ----------------------------------------------
     @property

@@ -317,19 +317,25 @@ def main(args) -> int:
         check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
     if "draft" in plan.methods and not args.draft_model:
         raise ValueError("--methods includes draft: give --draft-model NAME")
-    specs = {m: SpecConfig(method=m, k=args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    k = 4 if args.k is None else args.k
+    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
              for m in ("ngram", "draft") if m in plan.methods}
     from specjax.bench import SYNTHETIC_PROMPT
 
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
     tree = parse_tree(args.tree)
     if "medusa" in plan.methods:
-        specs["medusa"] = SpecConfig(method="medusa", k=args.k, tree=tree)
+        specs["medusa"] = SpecConfig(method="medusa", k=k, tree=tree)
     engine = _load(args, plan)
+    if engine.eagle is not None and "eagle" in plan.methods:
+        specs["eagle"] = engine.eagle.spec(tree=False)
     auto_specs = {}
     if getattr(engine, "heads", None) is not None:
         auto, auto_specs = _with_medusa(engine, plan.auto, specs.get("medusa"))
         plan = dataclasses.replace(plan, auto=auto)
+    if engine.eagle is not None:
+        auto, named = with_eagle(engine, plan.auto)
+        plan, auto_specs = dataclasses.replace(plan, auto=auto), {**auto_specs, **named}
     if not args.file_order:
         prompts = interleave(prompts)
     print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
@@ -362,9 +368,22 @@ def main(args) -> int:
 
 def _load(args, plan: LoadPlan):
     from specjax.engine import Engine
+    from specjax.models import eagle_io
 
     heads = (args.heads or "default") if "medusa" in plan.methods or args.heads else None
-    return Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    if "eagle" in plan.methods or args.eagle or ("auto" in plan.methods and eagle_io.shipped_eagle_dir(engine.name)):
+        engine.load_eagle(args.eagle or "default")
+    return engine
+
+
+def with_eagle(engine, auto: ControllerConfig):
+    """Adds the loaded EAGLE head to the auto controller's options: its tuned chain ("eagle") and its
+    tuned dynamic tree ("eagle-tree"). Returns the config and the labelled specs."""
+    chain, tree = engine.eagle.spec(tree=False), engine.eagle.spec(tree=True)
+    named = {"eagle": chain, "eagle-tree": tree}
+    extra = tuple(o for o in (("eagle", chain.k), ("eagle-tree", tree.k)) if o not in auto.extra)
+    return dataclasses.replace(auto, extra=auto.extra + extra), named
 
 
 def _with_medusa(engine, auto: ControllerConfig, medusa: SpecConfig | None):

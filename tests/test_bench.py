@@ -73,7 +73,7 @@ def test_markdown_plots_and_telemetry(results, tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(methods=("ngram", "eagle")), "unknown method 'eagle'"),
+    (dict(methods=("ngram", "hydra")), "unknown method 'hydra'"),
     (dict(methods=("none",), concurrency=(1, 0)), "concurrency 0"),
     (dict(methods=("none",), concurrency=()), "concurrency"),
     (dict(methods=("none",), rate=0.0), "rate"),

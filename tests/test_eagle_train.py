@@ -134,3 +134,26 @@ def test_conversation_encoding_masks_assistant_text(smollm2):
     assert toks.tolist() == full  # the pieces tokenize as the whole
     learned = tok.decode(toks[mask].tolist())
     assert learned.startswith("Hello! How can I help?") and "user" not in learned
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--features", "final", "--feature-layers", "1,2"], "feature-layers"),
+    (["--max-minutes", "0"], "max-minutes"),
+    (["--draft-vocab", "0"], "draft-vocab"),
+    (["--unroll", "0"], "unroll"),
+    (["--batch-size", "0"], "batch_size"),
+])
+def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
+    from specjax import cli
+    from specjax.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["train-heads", "--kind", "eagle", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_cli_rejects_a_directory_without_a_head(tmp_path, capsys):
+    from specjax import cli
+
+    assert cli.main(["tune-heads", "--eagle", str(tmp_path)]) == 2
+    assert "manifest.json" in capsys.readouterr().err

@@ -34,6 +34,18 @@ class LoadedEagle:
     module: Any
     ids: tuple[int, ...]
     manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    tuning: dict | None = dataclasses.field(default=None, hash=False, compare=False)  # tuning.json
+
+    def spec(self, *, tree: bool, **overrides):
+        """The `SpecConfig` this head was tuned for on its machine (`specjax tune-heads --eagle`):
+        its chain, or with `tree` its dynamic tree; without a tuning, chain k=3 / tree depth 4 with
+        16 nodes and top-4. `overrides` (not None) replace tuned fields."""
+        from specjax.config import SpecConfig
+
+        tuned = (self.tuning or {}).get("tree" if tree else "chain")
+        base = dict(tuned or (dict(k=4, nodes=16, topk=4) if tree else dict(k=3)))
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return SpecConfig(method="eagle", **base)
 
 
 FACTORIES: dict[str, Callable] = {
