@@ -10,7 +10,7 @@ from flax import nnx
 
 from specjax import tree as tree_lib
 from specjax.config import SpecConfig
-from specjax.decoder import Decoder, Inputs, State, Stats
+from specjax.decoder import Decoder, Inputs
 from specjax.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
@@ -194,3 +194,19 @@ def test_fused_feature_head_equals_plain(tiny_model, ref):
         assert [r.tokens for r in eng.generate(PROMPTS, max_new_tokens=NEW, spec=spec)] == ref
     dec, _ = eng.decoder(SpecConfig(method="eagle", k=3), cache_length=64)
     assert dec.taps == (0, 1)
+
+
+def test_a_broken_rule_with_the_eagle_chain_is_detected():
+    """The chi-square test has power here too: the same EAGLE chain with the rejection rule broken
+    (resample from p) is rejected, with the library's rule accepted above."""
+    import test_lossless as tl
+    from specjax.decoder import generate, new_tokens
+
+    target = loader.init_model(tl.CONFIG, seed=0)
+    head = EagleHead(EagleConfig.for_model(tl.CONFIG, draft_vocab=tl.V), rngs=nnx.Rngs(3))
+    proposer, pparams = EagleProposer.from_head(head, np.arange(tl.V), target, k=2)
+    dec = Decoder(proposer=proposer, acceptance=tl.ResampleFromP(), sampling="sample", cache_length=64)
+    opts = tl.SETTINGS["t1.0"]
+    inputs = Inputs.create([tl.PROMPT] * tl.N, max_new_tokens=tl.NEW, seed=5, **opts)
+    toks = np.array(new_tokens(generate(target, inputs, decoder=dec, pparams=pparams)))
+    assert min(tl.pair_pvalues(toks, tl.joint(tl.conditionals(target, opts))).values()) < 1e-6

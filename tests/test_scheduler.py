@@ -17,6 +17,7 @@ from specjax.models import loader
 from specjax.proposers import registry
 from specjax.proposers.base import Stateless
 from specjax.scheduler import Scheduler, poisson_arrivals
+from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
 PROMPTS = [
@@ -31,7 +32,10 @@ BUDGETS = [20, 7, 16, 3, 12, 9]
 M = 20
 SPECS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto": "auto",
          "draft": SpecConfig(method="draft", k=3), "medusa": SpecConfig(method="medusa", k=3),
-         "medusa-tree": SpecConfig(method="medusa", tree="small"), "auto-medusa": "auto"}
+         "medusa-tree": SpecConfig(method="medusa", tree="small"), "auto-medusa": "auto",
+         "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2), "auto-eagle": "auto"}
+AUTO_EAGLE = ControllerConfig(ks=(0, 2), methods=("ngram",), extra=(("eagle", 3), ("eagle-tree", 3)),
+                              prior_alpha=0.9)
 AUTO_MEDUSA = ControllerConfig(ks=(0, 2, 4), methods=("ngram",), extra=(("medusa", 2), ("tree", 3)),
                                prior_alpha=0.9)
 
@@ -45,7 +49,10 @@ def eng(tiny_model):
     k1, k2 = jax.random.split(jax.random.key(0))
     heads.w[...] = jax.random.normal(k1, heads.w.shape) * 0.5 * tiny_model.config.dim ** -0.5
     heads.b[...] = jax.random.normal(k2, heads.b.shape) * 0.5
-    return Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1), heads=heads)
+    eng = Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1), heads=heads)
+    eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
+                  np.arange(64))
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,9 @@ def test_every_request_once_with_its_alone_tokens(eng, alone, method):
     kw = {}
     if method == "auto-medusa":  # chooses among prompt lookup, a Medusa chain and a Medusa tree
         kw = dict(controller=AUTO_MEDUSA, auto_specs={"tree": SpecConfig(method="medusa", tree="small")})
+    if method == "auto-eagle":  # an EAGLE chain and a dynamic tree beside prompt lookup
+        kw = dict(controller=AUTO_EAGLE, auto_specs={"eagle": SpecConfig(method="eagle", k=3),
+                                                     "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2)})
     s = serve(eng, SPECS[method], **kw)
     running = []
     out = s.run(on_chunk=lambda s: running.append(sum(r is not None for r in s.slots)))
@@ -259,7 +269,7 @@ def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     assert all(c.reason == "gain" and c.expected_gain > 1 for c in log if c.tasks == {"copy": 1})
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "auto", "draft", "medusa-tree"])
+@pytest.mark.parametrize("method", ["none", "ngram", "auto", "draft", "medusa-tree", "eagle-tree"])
 def test_smaller_batch_sizes_keep_every_row_exact(eng, alone, method, sizes_seen):
     """Rows packed at the front and chunks run at the smallest size holding them: same tokens."""
     s = serve(eng, SPECS[method], slots=4, batch_sizes=(1, 2))
