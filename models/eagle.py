@@ -3,7 +3,7 @@
 Entry t of the head reads `fc([feature_t, embed(x_{t+1})])` (the target's feature at position t and
 the token after it), runs one Llama decoder layer with its own position-indexed KV cache, and
 returns `out_t`, its prediction of the target's feature at position t + 1. The draft's logits are
-the frozen, tied LM head applied to `out_t`, restricted to a frequency-ranked draft
+the frozen, tied LM head applied to `norm(out_t)`, restricted to a frequency-ranked draft
 vocabulary; they predict x_{t+2}. Drafting feeds the head its own predicted features: entry t + 1
 reads `(out_t, x̂_{t+2})`, and so on (Li et al. 2024, EAGLE).
 
@@ -129,6 +129,7 @@ class EagleHead(nnx.Module):
         self.attn = llama.Attention(c, rngs)
         self.mlp_norm = llama.RMSNorm(d, c.norm_eps, wd)
         self.mlp = llama.MLP(c, rngs)
+        self.norm = llama.RMSNorm(d, c.norm_eps, wd)
 
     # ---- inputs and outputs ----------------------------------------------------------------
     def lift(self, features: Float[Array, "... FD"]) -> Float[Array, "... D"]:
@@ -143,12 +144,12 @@ class EagleHead(nnx.Module):
         return jnp.concatenate([feature.astype(dt), emb.astype(dt)], axis=-1) @ self.fc[...].astype(dt)
 
     def logits(self, out: Float[Array, "... D"], weight: Float[Array, "Vd D"]) -> Float[Array, "... Vd"]:
-        """Draft logits over the draft vocabulary (`weight`: the LM head's rows for it).
-
-        The LM head reads `out` as it is, as the target's reads its final-normed hidden state: a
-        perfect feature prediction gives the target's own logits (EAGLE-1).
-        """
-        return jnp.einsum("...D,VD->...V", out, weight.astype(out.dtype))
+        """Draft logits over the draft vocabulary (`weight`: the LM head's rows for it), read from
+        `norm(out)`: normalising keeps the logits' scale in the head's hands from the first step (with `out`
+        read as it is, EAGLE-1's way, training CE on SmolLM2 stood at 11.8 after 30 steps, against
+        7.7 with the norm; the two runs also differed in learning rate, 3e-3 and 2e-3)."""
+        h = self.norm(out)
+        return jnp.einsum("...D,VD->...V", h, weight.astype(h.dtype))
 
     def cache(self, batch: int, length: int) -> KVCache:
         return KVCache.zeros(self.config.layer, batch, length)
