@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-import uuid
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from specjax.models.eagle import EagleConfig, EagleHead
+from specjax.models.heads_io import save_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = "specjax-eagle-head/1"
@@ -52,23 +51,12 @@ def head_from_params(config: EagleConfig, params: dict) -> EagleHead:
 
 def save_head(path: str | os.PathLike, head: EagleHead, draft_ids, manifest: dict) -> None:
     """Saves `head`, its draft vocabulary and `manifest` (needs `model` and `weights_id`) into `path`."""
-    path = pathlib.Path(path).resolve()
-    path.mkdir(parents=True, exist_ok=True)
     ids = np.asarray(draft_ids, np.int32)
     if ids.shape != (head.config.draft_vocab,):
         raise ValueError(f"draft_ids has shape {ids.shape}; the head's draft vocabulary is {head.config.draft_vocab}")
-    name = f"params-{uuid.uuid4().hex[:12]}"
-    full = dict(manifest, eagle_config=head.config.to_dict(), params=name, format=FORMAT)
-    text = json.dumps(full, indent=1, sort_keys=True)
-    old = read_manifest(path, missing_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / name, dict(head=params_of(head), draft_ids=ids))
-        ckptr.wait_until_finished()
-    tmp = path / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path / MANIFEST)
-    if old and old.get("params") and old["params"] != name:
-        shutil.rmtree(path / old["params"], ignore_errors=True)
+    save_atomically(path, dict(head=params_of(head), draft_ids=ids),
+                    dict(manifest, eagle_config=head.config.to_dict(), format=FORMAT),
+                    read_manifest(pathlib.Path(path), missing_ok=True))
 
 
 def read_manifest(path: pathlib.Path, *, missing_ok: bool = False) -> dict | None:

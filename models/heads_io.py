@@ -77,15 +77,21 @@ def save_heads(path: str | os.PathLike, heads: MedusaHeads, manifest: dict) -> N
       manifest: JSON-serialisable facts about them: at least `model` and `weights_id` of the target.
         `heads_config` (the `HeadsConfig` fields) and `num_heads` are filled in here.
     """
+    manifest = dict(manifest, heads_config=dataclasses.asdict(heads.config), num_heads=heads.config.num_heads,
+                    format="specjax-medusa-heads/1")
+    save_atomically(path, params_of(heads), manifest, _read_manifest(pathlib.Path(path), missing_ok=True))
+
+
+def save_atomically(path: str | os.PathLike, tree, manifest: dict, old: dict | None) -> None:
+    """Writes `tree` (orbax) under a fresh `params-*` name, then replaces `manifest.json` (which
+    names it), then removes the checkpoint the `old` manifest named: a reader sees the old set or
+    the new one, never a mix. The manifest must be JSON-serialisable; that fails before any write."""
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
     params_dir = f"params-{uuid.uuid4().hex[:12]}"
-    full = dict(manifest, heads_config=dataclasses.asdict(heads.config), num_heads=heads.config.num_heads,
-                params=params_dir, format="specjax-medusa-heads/1")
-    text = json.dumps(full, indent=1, sort_keys=True)  # fails here, before anything is written
-    old = _read_manifest(path, missing_ok=True)
+    text = json.dumps(dict(manifest, params=params_dir), indent=1, sort_keys=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / params_dir, params_of(heads))
+        ckptr.save(path / params_dir, tree)
         ckptr.wait_until_finished()
     tmp = path / f".{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(text)

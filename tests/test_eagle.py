@@ -2,7 +2,6 @@
 heads, ragged batches), drafts accepted, the dynamic tree's mask against explicit forwards, fixed
 shapes (compile counts), lossless sampling, and bad input."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -210,3 +209,23 @@ def test_a_broken_rule_with_the_eagle_chain_is_detected():
     inputs = Inputs.create([tl.PROMPT] * tl.N, max_new_tokens=tl.NEW, seed=5, **opts)
     toks = np.array(new_tokens(generate(target, inputs, decoder=dec, pparams=pparams)))
     assert min(tl.pair_pvalues(toks, tl.joint(tl.conditionals(target, opts))).values()) < 1e-6
+
+
+# ---- the real model and the shipped head ---------------------------------------------------------
+
+
+@pytest.mark.oracle
+def test_shipped_head_on_the_real_model_equals_plain(smollm2):
+    from specjax.models import eagle_io
+
+    path = eagle_io.shipped_eagle_dir("smollm2-135m")
+    assert path is not None, "the EAGLE head for SmolLM2-135M is not in the package"
+    eng = Engine(smollm2.model, smollm2.tokenizer, name="smollm2-135m", weights_id=smollm2.weights_id,
+                 buckets=(64,))
+    eng.load_eagle("default")
+    prompts = ["Write a Python function that returns the sum of a list.", "What is the capital of France?"]
+    plain = [r.tokens for r in eng.generate(prompts, chat=True, max_new_tokens=40)]
+    for tree in (False, True):
+        out = eng.generate(prompts, chat=True, max_new_tokens=40, spec=eng.eagle.spec(tree=tree))
+        assert [r.tokens for r in out] == plain
+        assert sum(r.counters.num_accepted_tokens for r in out) > 0

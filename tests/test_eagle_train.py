@@ -1,6 +1,5 @@
 """EAGLE heads: the training unroll equals the drafting path; training learns and resumes exactly."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
