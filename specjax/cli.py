@@ -299,8 +299,11 @@ def cmd_train_eagle(args) -> int:
     if args.draft_vocab < 1:
         raise ValueError(f"--draft-vocab={args.draft_vocab}: must be >= 1")
     EagleConfig(dim=1, vocab_size=args.draft_vocab, layer=_tiny_shape(), **eagle)  # features, layers
+    if args.init is not None and not (pathlib.Path(args.init) / "manifest.json").is_file():
+        raise ValueError(f"--init {args.init}: no EAGLE head there (manifest.json missing)")
     train_eagle(args.model, out, eagle=eagle, cfg=cfg, conversations=args.conversations,
                 eval_conversations=args.eval_conversations, max_minutes=args.max_minutes,
+                data=args.data, init=args.init,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     return 0
 
@@ -435,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=16384, help="eagle: tokens the head may propose")
     t.add_argument("--seq-len", type=int, default=512, help="eagle: tokens per conversation")
     t.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps")
+    t.add_argument("--data", default="sharegpt", choices=["sharegpt", "self"],
+                   help="eagle: complete ShareGPT conversations, or ShareGPT prompts with the target's own "
+                        "greedy answers (generated once, cached, shared with medusa's data)")
+    t.add_argument("--init", default=None, help="eagle: start from this head directory (fine-tune)")
     t.add_argument("--max-minutes", type=float, default=None,
                    help="eagle: stop (checkpointed) after this long; run again to continue")
     t.add_argument("--eval-conversations", type=int, default=64, help="of those, held out")

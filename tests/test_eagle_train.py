@@ -156,3 +156,18 @@ def test_tune_cli_rejects_a_directory_without_a_head(tmp_path, capsys):
 
     assert cli.main(["tune-heads", "--eagle", str(tmp_path)]) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model):
+    """Prompt ids + the cached greedy answer, masked on the answer, cut to seq_len."""
+    from specjax.train_heads import data
+
+    answers = [np.array([7, 8, 9], np.int32), np.array([4, 5], np.int32)]
+    rows = data.TokenData(np.zeros((5, 4), np.float16), np.concatenate(answers), np.array([0, 3, 5]))
+    monkeypatch.setattr(data, "build", lambda *a, **k: None)
+    monkeypatch.setattr(data, "load", lambda d: (rows, {}))
+    monkeypatch.setattr(data, "select_prompts", lambda e, n, **k: [("a", [1, 2]), ("b", [3, 3, 3])][:n])
+    eng = type("E", (), dict(name="tiny", weights_id="w"))()
+    items = train.self_distilled_sequences(eng, 2, 4)
+    assert [t.tolist() for t, _ in items] == [[1, 2, 7, 8], [3, 3, 3, 4]]
+    assert [m.tolist() for _, m in items] == [[False, False, True, True], [False, False, False, True]]

@@ -159,6 +159,31 @@ def sharegpt_sequences(tokenizer, n: int, seq_len: int, *, path=None) -> Iterato
             return
 
 
+def self_distilled_sequences(engine, n: int, seq_len: int, *, max_new_tokens: int = 128,
+                             max_prompt_tokens: int = 256, batch_size: int = 16,
+                             log=print) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Prompt + the target's own greedy answer for the first `n` ShareGPT prompts (the Medusa
+    pipeline's cached self-distillation, `specjax.train_heads.data.build`), masked on the answer.
+
+    What the head drafts at inference is the target's own text, which is far more predictable than
+    ShareGPT's human-written answers; generating it costs ~20x teacher forcing here.
+    """
+    from specjax.train_heads import data
+
+    out = data.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
+                           max_prompt_tokens=max_prompt_tokens)
+    data.build(engine, out, conversations=n, max_new_tokens=max_new_tokens, batch_size=batch_size,
+               max_prompt_tokens=max_prompt_tokens, log=log)
+    rows, index = data.load(out)
+    prompts = data.select_prompts(engine, n, max_prompt_tokens=max_prompt_tokens)
+    items = []
+    for c, (_, ids) in enumerate(prompts):
+        answer = rows.tokens[rows.starts[c]: rows.starts[c + 1]]
+        toks = np.concatenate([np.asarray(ids, np.int32), answer])[:seq_len]
+        items.append((toks, np.arange(len(toks)) >= len(ids)))
+    return items
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequences:
     """Padded token sequences `[N, T]` and their loss masks (assistant tokens)."""
@@ -291,7 +316,8 @@ class EagleTrainer:
     """A resumable EAGLE head run: `fit`, `evaluate`, `save`; checkpoints and metrics in `out`."""
 
     def __init__(self, config: EagleConfig, target, train: Sequences, held_out: Sequences, draft_ids,
-                 out: str | pathlib.Path, cfg: EagleTrainConfig, *, run_info: dict | None = None):
+                 out: str | pathlib.Path, cfg: EagleTrainConfig, *, run_info: dict | None = None,
+                 init: EagleHead | None = None):
         self.devices = jax.devices()
         if cfg.batch_size % len(self.devices):
             raise ValueError(f"batch_size={cfg.batch_size} does not divide over {len(self.devices)} devices: "
@@ -306,7 +332,7 @@ class EagleTrainer:
         self.mesh = jax.sharding.Mesh(np.asarray(self.devices), ("data",))
         self.rows = NamedSharding(self.mesh, P("data"))
         self.replicated = NamedSharding(self.mesh, P())
-        head = EagleHead(config, rngs=nnx.Rngs(cfg.seed))
+        head = init if init is not None else EagleHead(config, rngs=nnx.Rngs(cfg.seed))
         self.head_graphdef, params = nnx.split(head, nnx.Param)
         self.params = jax.device_put(params, self.replicated)
         self.target_graphdef, target_params = nnx.split(target)
@@ -409,8 +435,8 @@ class EagleTrainer:
 
 def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dict | None = None,
                 cfg: EagleTrainConfig = EagleTrainConfig(), conversations: int | None = None,
-                eval_conversations: int = 64, max_minutes: float | None = None, progress: bool = True,
-                log=print) -> dict:
+                eval_conversations: int = 64, max_minutes: float | None = None, data: str = "sharegpt",
+                init: str | pathlib.Path | None = None, progress: bool = True, log=print) -> dict:
     """The whole recipe: ShareGPT under the chat template, teacher-forced, a head saved in `out`.
 
     Args:
@@ -421,25 +447,38 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
       conversations: training conversations (default: as many as the steps read once);
         `eval_conversations` more, read first from the file, are held out.
       max_minutes: stop training after this long (checkpointed; run again to continue).
+      data: "sharegpt" (complete conversations, teacher-forced) or "self" (ShareGPT prompts with
+        the target's own greedy answers, generated once and cached).
+      init: a head directory to start from (its config and draft vocabulary are kept).
     """
     from specjax.engine import Engine
 
+    if data not in ("sharegpt", "self"):
+        raise ValueError(f"data={data!r}: use 'sharegpt' or 'self'")
     engine = Engine.load(model)
+    start = None
+    if init is not None:
+        head, init_ids, _ = eagle_io.load_head(init, model_name=engine.name, weights_id=engine.weights_id)
+        start, eagle = head, head.config
     if not isinstance(eagle, EagleConfig):
         eagle = EagleConfig.for_model(engine.config, **(eagle or {}))
     n_train = conversations or cfg.steps * cfg.batch_size
     t0 = time.perf_counter()
-    items = list(sharegpt_sequences(engine.tokenizer, eval_conversations + n_train, cfg.seq_len))
+    if data == "self":
+        items = self_distilled_sequences(engine, eval_conversations + n_train, cfg.seq_len, log=log)
+    else:
+        items = list(sharegpt_sequences(engine.tokenizer, eval_conversations + n_train, cfg.seq_len))
     if len(items) <= eval_conversations:
         raise ValueError(f"only {len(items)} usable conversations: fewer than eval_conversations + 1")
     held_out = Sequences.pad(items[:eval_conversations], cfg.seq_len)
     train = Sequences.pad(items[eval_conversations:], cfg.seq_len)
     log(f"{len(train)} training conversations ({train.num_tokens} assistant tokens), {len(held_out)} held out; "
         f"encoded in {time.perf_counter() - t0:.0f}s")
-    ids = draft_vocabulary(train.tokens, train.mask, eagle.draft_vocab, engine.config.vocab_size)
+    ids = (init_ids if start is not None else
+           draft_vocabulary(train.tokens, train.mask, eagle.draft_vocab, engine.config.vocab_size))
     run_info = dict(model=engine.name, weights_id=engine.weights_id, conversations=len(train),
-                    eval_conversations=len(held_out))
-    trainer = EagleTrainer(eagle, engine.model, train, held_out, ids, out, cfg, run_info=run_info)
+                    eval_conversations=len(held_out), data=data, init=None if init is None else str(init))
+    trainer = EagleTrainer(eagle, engine.model, train, held_out, ids, out, cfg, run_info=run_info, init=start)
     if trainer.resume():
         log(f"resumed from step {trainer.step}")
     if trainer.step < cfg.steps:
@@ -450,7 +489,9 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
     covered = min(trainer.step * cfg.batch_size, len(train))
     manifest = dict(
         model=engine.name, weights_id=engine.weights_id,
-        data=dict(source="ShareGPT V3 (complete conversations, chat template, teacher-forced)",
+        init=None if init is None else str(init),
+        data=dict(source="ShareGPT V3 (complete conversations, chat template, teacher-forced)" if data == "sharegpt"
+                  else "ShareGPT V3 first human turns + the target's own greedy answers (128 tokens), teacher-forced",
                   conversations=len(train), eval_conversations=len(held_out), seq_len=cfg.seq_len,
                   assistant_tokens=train.num_tokens,
                   trained_tokens=int(trainer.step * cfg.batch_size * train.num_tokens / max(len(train), 1)),
