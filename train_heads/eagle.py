@@ -386,6 +386,8 @@ class EagleTrainer:
         cfg = self.cfg
         end = min(cfg.steps, stop_at or cfg.steps)
         t_start = time.perf_counter()
+        if self.step == 0 and self.run.get("init"):  # what the starting head does on this data
+            self._log(dict(step=0, held_out=self.evaluate()))
         bar = tqdm(total=end, initial=self.step, disable=not progress, desc="eagle", unit="step")
         sums = None
         while self.step < end:
