@@ -1,0 +1,295 @@
+"""The speculative loop on a device mesh (8 fake CPU devices, see conftest): token-identical to one
+device for every method on (8,1) (4,2) (2,4) (1,8), greedy and sampled; the layout; compile count and
+carry layout under streaming; no cache-sized collective in the compiled loops; per-device bytes; bad
+input fails before compiling."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import specjax
+from specjax import sharding
+from specjax.config import SpecConfig
+from specjax.decoder import Decoder, Inputs, new_tokens
+from specjax.engine import Engine, GenerateOptions
+from specjax.models import config as model_config, loader
+from specjax.models.heads import HeadsConfig, MedusaHeads
+from specjax.models.kv_cache import KVCache
+from specjax.sampling import SamplingParams, filtered_logits
+from specjax.state import step_keys  # noqa: F401  (the key schedule the sampled guard mirrors)
+
+MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+METHODS = {
+    "plain": SpecConfig(),
+    "ngram": SpecConfig(method="ngram", k=4),
+    "draft": SpecConfig(method="draft", k=3),
+    "medusa": SpecConfig(method="medusa", k=3),
+    "tree": SpecConfig(method="medusa", tree="small"),
+}
+PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41], [7, 7, 7],
+           [10, 3, 2, 1], [1], [60, 61, 62, 60, 61, 62], [9, 8, 7, 6, 5]]
+GREEDY = dict(max_new_tokens=16)
+SAMPLED = dict(max_new_tokens=16, temperature=0.9, top_k=20, top_p=0.95, seed=3)
+GAP = 1e-4  # logit differences across meshes are ~1e-6 (reduction order); a closer call could flip
+
+
+def _random_heads(model, seed=3):
+    heads = MedusaHeads(HeadsConfig.for_model(model.config, num_heads=4), rngs=nnx.Rngs(0))
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    heads.w[...] = jax.random.normal(k1, heads.w.shape) * 0.5 * model.config.dim**-0.5
+    heads.b[...] = jax.random.normal(k2, heads.b.shape) * 0.5
+    return heads
+
+
+@pytest.fixture(scope="module")
+def assets():
+    """Target `tiny` (4 q / 2 kv heads: attention sharded at tp=2, replicated at tp=4, 8); a draft
+    with 8 q / 4 kv heads (sharded up to tp=4), so the two rungs meet on one mesh; random heads."""
+    target = loader.init_model(model_config.preset("tiny"), seed=0)
+    draft = loader.init_model(model_config.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=4), seed=1)
+    return target, draft, _random_heads(target)
+
+
+@pytest.fixture(scope="module")
+def reference(assets):
+    """One device, every method, greedy and sampled."""
+    target, draft, heads = assets
+    eng = Engine(target, draft=draft, heads=heads)
+    return {(name, mode): eng.generate(PROMPTS, spec=spec, **kw)
+            for name, spec in METHODS.items() for mode, kw in (("greedy", GREEDY), ("sampled", SAMPLED))}
+
+
+def _teacher_forced_logits(model, prompt, generated):
+    """Logits `[n, V]` that chose each generated token (one device, full forward)."""
+    seq = jnp.asarray([prompt + generated], jnp.int32)
+    cache = KVCache.zeros(model.config, 1, seq.shape[1])
+    positions = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+    logits = model(seq, positions, cache).logits[0]
+    return np.asarray(logits[len(prompt) - 1: len(prompt) - 1 + len(generated)])
+
+
+def _gap(z):
+    top2 = np.sort(z, axis=-1)[..., -2:]
+    return top2[..., 1] - top2[..., 0]
+
+
+def test_reference_has_no_near_ties(assets, reference):
+    """Greedy: every token the target chose won by >= GAP (all greedy methods emit these tokens).
+    Sampled plain: the Gumbel-max draw `argmax(filtered + gumbel(key))` that chose each token won by
+    >= GAP, and no top-k / top-p boundary was within GAP of flipping."""
+    target = assets[0]
+    for r, prompt in enumerate(PROMPTS):
+        toks = reference["plain", "greedy"][r].tokens
+        lg = _teacher_forced_logits(target, prompt, toks)
+        assert (lg.argmax(-1) == toks).all()
+        assert _gap(lg).min() >= GAP, f"row {r}: near tie, pick other prompts or seeds"
+
+        toks = reference["plain", "sampled"][r].tokens
+        lg = _teacher_forced_logits(target, prompt, toks)
+        row_key = jax.random.fold_in(jax.random.key(SAMPLED["seed"]), r)
+        params = SamplingParams.create(len(toks), SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"])
+        filt = np.asarray(filtered_logits(jnp.asarray(lg), params))
+        for i, tok in enumerate(toks):
+            key = jax.random.fold_in(jax.random.fold_in(row_key, len(prompt) + i), 0)
+            z = filt[i] + np.asarray(jax.random.gumbel(key, filt[i].shape))
+            assert z.argmax() == tok and _gap(z) >= GAP, f"row {r} token {i}: near tie in the draw"
+            scaled = np.sort(lg[i] / SAMPLED["temperature"])[::-1]
+            k = SAMPLED["top_k"]
+            assert scaled[k - 1] - scaled[k] >= GAP, f"row {r} token {i}: top-k boundary near tie"
+            p = np.exp(scaled[:k] - scaled[0])
+            mass = np.cumsum(p / p.sum())
+            assert np.abs(mass - SAMPLED["top_p"]).min() >= 1e-5, f"row {r} token {i}: top-p near tie"
+
+
+def _same(results, ref):
+    for a, b in zip(results, ref):
+        assert a.tokens == b.tokens
+        assert a.stop_reason == b.stop_reason
+        assert a.target_forwards == b.target_forwards
+        assert a.counters == b.counters
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("method", list(METHODS))
+def test_mesh_output_equals_one_device(assets, reference, mesh, method):
+    target, draft, heads = assets
+    eng = Engine(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=mesh[0], model=mesh[1]))
+    for mode, kw in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        _same(eng.generate(PROMPTS, spec=METHODS[method], **kw), reference[method, mode])
+
+
+def test_functional_api_on_a_mesh(assets, reference):
+    """`specjax.generate(..., mesh=)` and `new_tokens(state, mesh)`: the core without the Engine."""
+    target = assets[0]
+    mesh = sharding.make_mesh("data=2,model=4")
+    inputs = Inputs.create(PROMPTS, bucket=32, max_new_tokens=16)
+    dec = Decoder(cache_length=specjax.cache_length(32, 16, 5),
+                  proposer=specjax.NgramProposer(k=4), sampling="greedy")
+    state = specjax.generate(target, inputs, decoder=dec, mesh=mesh)
+    assert new_tokens(state, mesh) == [r.tokens for r in reference["ngram", "greedy"]]
+    assert state.decode.tokens.sharding.spec == P("data")
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+
+def test_every_parameter_has_logical_axes(assets):
+    target, draft, heads = assets
+    own = MedusaHeads(HeadsConfig.for_model(target.config, own_projection=True, token_input=True),
+                      base=target, rngs=nnx.Rngs(0))
+    qwen_like = loader.init_model(model_config.preset("tiny", qkv_bias=True, tie_embeddings=False))
+    for module in (target, draft, heads, own, qwen_like):
+        for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+            assert sharding.axes_of(v) is not None and len(sharding.axes_of(v)) == v.ndim, path
+
+
+def test_resolve_replicates_what_does_not_divide():
+    mesh = sharding.make_mesh(data=4, model=2)
+    assert sharding.resolve(("embed", "kv_heads"), (32, 24), mesh, kv_heads=3) == P()  # 3 kv heads, tp 2
+    assert sharding.resolve(("embed", "q_heads"), (32, 16), mesh, kv_heads=2) == P(None, "model")
+    assert sharding.resolve(("vocab", "embed"), (63, 32), mesh) == P()  # V not divisible
+    assert sharding.resolve(("batch", "seq", "kv_heads", "head_dim"), (8, 40, 2, 8), mesh) == P("data", None, "model")
+    assert sharding.resolve(("batch", None), (6, 3), mesh) == P()  # 6 rows over data=4
+    assert sharding.resolve(("medusa", "embed", "vocab"), (4, 32, 64), mesh) == P(None, None, "model")
+    x = jnp.ones((8, 4))
+    assert sharding.constrain(x, ("batch", "vocab")) is x  # no mesh in context: untouched
+
+
+def test_single_device_programs_carry_no_sharding(assets):
+    """mesh=None lowers exactly as before: no sharding annotation, no collective."""
+    target = assets[0]
+    eng = Engine(target)
+    b = eng.start(PROMPTS[:2], GenerateOptions(max_new_tokens=4), spec=METHODS["ngram"])
+    from specjax import decoder as core
+
+    text = core.prefill_program.lower(eng.graphdef, eng.params, b.pparams, b.inputs,
+                                      decoder=b.decoder).as_text()
+    # jax's own PRNG lowering pins key data to the empty mesh; nothing else is annotated
+    assert all("@empty_mesh" in line for line in text.splitlines() if "sharding" in line)
+    assert '"data"' not in text and '"model"' not in text and "all_reduce" not in text
+
+
+def test_param_layout_on_a_4x2_mesh(assets):
+    target, draft, heads = assets
+    eng = Engine(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=4, model=2))
+    spec = lambda x: x.sharding.spec
+    a = eng.model.layers[0]
+    assert spec(eng.model.embed[...]) == P("model")  # vocab-parallel embedding / tied LM head
+    assert spec(a.attn.wq[...]) == P(None, "model") and spec(a.attn.wo[...]) == P("model")  # K=2, tp=2
+    assert spec(a.mlp.w_up[...]) == P(None, "model") and spec(a.mlp.w_down[...]) == P("model")
+    assert spec(a.attn_norm.scale[...]) == P()
+    eng4 = Engine(target, draft=draft, mesh=sharding.make_mesh(data=2, model=4))
+    assert spec(eng4.model.layers[0].attn.wq[...]) == P()  # K=2 does not divide tp=4: replicated
+    assert spec(eng4.draft.layers[0].attn.wq[...]) == P(None, "model")  # the draft's K=4 does
+
+
+# ---- compiled programs -------------------------------------------------------------------------
+
+
+def _collectives(hlo: str):
+    """(op, elements) of every collective in compiled HLO text; tuple results count their parts."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(.+?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                      r"(-start)?\(", line)
+        if m:
+            sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                     for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
+            out.append((m.group(2), max(sizes, default=0)))
+    return out
+
+
+@pytest.mark.parametrize("mesh", [(4, 2), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_streaming_compiles_nothing_and_keeps_the_carry_layout(assets, mesh):
+    """Per method: two programs (prefill, loop); streaming reuses them (the AOT loop would reject a
+    carry whose sharding drifted); the carry equals `carry_shardings` after every chunk; and no
+    collective in the loop moves as many elements as one layer's KV buffer shard."""
+    target, draft, heads = assets
+    m = sharding.make_mesh(data=mesh[0], model=mesh[1])
+    eng = Engine(target, draft=draft, heads=heads, mesh=m)
+    opts = GenerateOptions(max_new_tokens=16)
+    for name, spec in METHODS.items():
+        before = eng.compile_count
+        full = eng.start(PROMPTS, opts, spec=spec).run()
+        assert eng.compile_count - before == 2, name
+        batch = eng.start(PROMPTS, opts, spec=spec)
+        chunks = []
+        for chunk in batch.stream(chunk=3):
+            chunks.append(chunk)
+            want = sharding.carry_shardings(batch.state, m)
+            got = jax.tree.map(lambda x: x.sharding, batch.state)
+            assert all(g.is_equivalent_to(w, x.ndim) for g, w, x in
+                       zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(batch.state))), name
+        assert eng.compile_count - before == 2, name
+        assert len(chunks) > 2
+        assert [sum((c[r] for c in chunks), []) for r in range(len(PROMPTS))] == [r.tokens for r in full]
+        kv = batch.state.decode.cache.k[0]
+        cache_elems = int(np.prod(kv.addressable_shards[0].data.shape))
+        colls = _collectives(batch._loop.as_text())
+        assert any(op == "all-reduce" for op, _ in colls), name  # the parse sees the TP reductions
+        big = [c for c in colls if c[1] >= cache_elems]
+        assert not big, f"{name}: cache-sized collectives in the loop {big}"
+
+
+def test_per_device_bytes_match_the_layout(assets):
+    target, draft, heads = assets
+    c = target.config
+    for dp, tp in MESHES:
+        m = sharding.make_mesh(data=dp, model=tp)
+        eng = Engine(target, draft=draft, heads=heads, mesh=m)
+        dev = jax.devices()[0]
+        got = sharding.shard_bytes(eng.params, dev)
+        assert got == sharding.param_bytes_per_device(eng.params, m)
+        # the same by hand for `tiny` (fp32): vocab, MLP sharded over tp; attention iff 2 % tp == 0
+        att = tp if c.num_kv_heads % tp == 0 else 1
+        per_layer = (c.dim * c.num_heads * c.head_dim * 2 // att + c.dim * c.num_kv_heads * c.head_dim * 2 // att
+                     + 3 * c.dim * c.ffn_dim // tp + 2 * c.dim)
+        assert got == 4 * (c.vocab_size * c.dim // tp + c.num_layers * per_layer + c.dim)
+        b = eng.start(PROMPTS, GenerateOptions(max_new_tokens=16), spec=METHODS["draft"])
+        state = b.prefill()
+        cache_len = state.decode.tokens.shape[1]
+        assert sharding.shard_bytes(state.decode.cache, dev) == sharding.cache_bytes_per_device(
+            c, len(PROMPTS), cache_len, m)
+        assert sharding.shard_bytes(state.proposer, dev) == sharding.cache_bytes_per_device(
+            draft.config, len(PROMPTS), cache_len, m)
+        kv = c.num_kv_heads // tp if c.num_kv_heads % tp == 0 else c.num_kv_heads
+        assert sharding.cache_bytes_per_device(c, 8, cache_len, m) == \
+            2 * c.num_layers * (8 // dp) * cache_len * kv * c.head_dim * 4
+        report = sharding.memory_report(eng, batch=8, cache_length=cache_len)
+        assert report["weights"] == got and report["cache"] == sharding.shard_bytes(state.decode.cache, dev)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_meshes_and_batches_fail_before_compiling(assets):
+    target = assets[0]
+    with pytest.raises(ValueError, match="needs 6 devices, there are 8"):
+        sharding.make_mesh("data=3,model=2")
+    with pytest.raises(ValueError, match="axis 'tensor' is unknown"):
+        sharding.make_mesh("data=4,tensor=2")
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="Explicit axes"):
+        Engine(target, mesh=explicit)
+    eng = Engine(target, mesh=sharding.make_mesh(data=4, model=2))
+    with pytest.raises(ValueError, match="does not divide the mesh's data axis"):
+        eng.generate(PROMPTS[:3], batch_size=3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="does not divide the mesh's data axis"):
+        eng.start(PROMPTS[:6], GenerateOptions(max_new_tokens=4), batch_size=6)
+    assert eng.compile_count == 0
+    # without batch_size the rows are padded up to the data axis
+    out = eng.generate(PROMPTS[:3], max_new_tokens=4)
+    assert len(out) == 3 and eng.compile_count == 2
+
+
+def test_host_view_and_broadcast_on_one_process():
+    mesh = sharding.make_mesh(data=8)
+    x = sharding.put(np.arange(16, dtype=np.int32).reshape(8, 2), NamedSharding(mesh, P("data")))
+    assert x.sharding.spec == P("data")
+    assert (sharding.host_view(x, mesh) == np.arange(16).reshape(8, 2)).all()
+    assert sharding.broadcast_from_0({"k": 3}) == {"k": 3}
