@@ -356,14 +356,21 @@ def _replicator(rep: NamedSharding):
     return jax.jit(lambda t: t, out_shardings=rep)  # one per mesh: compiled once per tree shape
 
 
-def broadcast_from_0(value: Any):
-    """A host value decided on process 0 (a controller's choice), the same on every process."""
+def broadcast_from_0(value: Any) -> Any:
+    """A host-side value decided on process 0 (a controller's choice, a calibrated cost table),
+    returned identical on every process; any picklable value. One process: `value` itself."""
     if jax.process_count() == 1:
         return value
+    import pickle
+
     from jax.experimental import multihost_utils
 
-    return jax.tree.map(lambda x: x.item() if np.ndim(x) == 0 else np.asarray(x),
-                        multihost_utils.broadcast_one_to_all(value))
+    data = np.frombuffer(pickle.dumps(value), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
+    buf = np.zeros(n, np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = data
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
 
 
 # ---- memory per device ---------------------------------------------------------------------------

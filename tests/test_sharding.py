@@ -3,7 +3,14 @@ device for every method on (8,1) (4,2) (2,4) (1,8), greedy and sampled; the layo
 carry layout under streaming; no cache-sized collective in the compiled loops; per-device bytes; bad
 input fails before compiling."""
 
+import json
+import os
+import pathlib
 import re
+import shutil
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -46,13 +53,17 @@ def _random_heads(model, seed=3):
     return heads
 
 
-@pytest.fixture(scope="module")
-def assets():
+def make_assets():
     """Target `tiny` (4 q / 2 kv heads: attention sharded at tp=2, replicated at tp=4, 8); a draft
     with 8 q / 4 kv heads (sharded up to tp=4), so the two rungs meet on one mesh; random heads."""
     target = loader.init_model(model_config.preset("tiny"), seed=0)
     draft = loader.init_model(model_config.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=4), seed=1)
     return target, draft, _random_heads(target)
+
+
+@pytest.fixture(scope="module")
+def assets():
+    return make_assets()
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +304,74 @@ def test_host_view_and_broadcast_on_one_process():
     assert x.sharding.spec == P("data")
     assert (sharding.host_view(x, mesh) == np.arange(16).reshape(8, 2)).all()
     assert sharding.broadcast_from_0({"k": 3}) == {"k": 3}
+
+
+# ---- two processes x four devices -------------------------------------------------------------
+
+MULTI = {"plain": ("plain", "greedy"), "ngram": ("ngram", "greedy"), "tree": ("tree", "greedy"),
+         "ngram_sampled": ("ngram", "sampled")}
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_device(reference, tmp_path):
+    """`jax.distributed.initialize` on localhost, 2 processes x 4 CPU devices (gloo collectives), a
+    (4,2) mesh with `data` across the processes: every process reads the same tokens, equal to one
+    device's, and a value decided on process 0 reaches both."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+    for i in range(2):
+        out = json.loads((tmp_path / f"process_{i}.json").read_text())
+        assert out["devices"] == [8, 4] and out["decided"] == "process 0"
+        for name, (method, mode) in MULTI.items():
+            assert out[name] == [r.tokens for r in reference[method, mode]], (i, name)
+
+
+# ---- head training on a mesh ---------------------------------------------------------------------
+
+
+def test_head_training_resumes_across_a_change_of_mesh(tiny_model, tmp_path):
+    """Trained on (4,2) (an own projection: vocab-sized, split over `model`, Adam's moments alike),
+    checkpointed sharded, restored on (8,1) and on one device with equal values, and trained on."""
+    from specjax.train_heads import data
+    from specjax.train_heads.train import Trainer, TrainConfig
+
+    rng = np.random.default_rng(0)
+    seqs = (rng.integers(0, 8, (16, 1)) + np.arange(20)[None, :]) % 8
+    hidden = data.teacher_force(tiny_model, [s[:1] for s in seqs], [s[1:] for s in seqs], batch_size=16)
+    rows = data.TokenData.from_sequences(hidden, [s[1:] for s in seqs])
+    hc = HeadsConfig.for_model(tiny_model.config, num_heads=2, own_projection=True)
+    config = TrainConfig(steps=4, batch_size=16, lr=1e-2, warmup=1, save_every=2)
+
+    def trainer(**mesh):
+        devices = jax.devices()[: mesh["data"] * mesh["model"]]
+        return Trainer(hc, tiny_model, rows, None, tmp_path, config,
+                       mesh=sharding.make_mesh(devices=devices, **mesh))
+
+    a = trainer(data=4, model=2)
+    assert a.params["proj"].sharding.spec == P(None, None, "model")
+    assert a.params["w"].sharding.spec == P()
+    a.fit(stop_at=2, progress=False)
+    mu = a.opt_state[1][0].mu["proj"]  # optax chain: (clip, adamw (ScaleByAdamState, ...), ...)
+    assert mu.sharding.spec == P(None, None, "model")
+    saved = sharding.host_view(a.params, a.mesh)
+    a.ckpts.close()
+    finals = []
+    for mesh in (dict(data=8, model=1), dict(data=1, model=1)):
+        t = trainer(**mesh)
+        assert t.resume() == 2
+        assert t.params["proj"].sharding.mesh.shape == t.mesh.shape
+        for k, v in sharding.host_view(t.params, t.mesh).items():
+            np.testing.assert_array_equal(v, saved[k])
+        t.fit(progress=False)
+        finals.append(sharding.host_view(t.params, t.mesh))
+        t.ckpts.close()
+        shutil.rmtree(tmp_path / "checkpoints" / "4")  # the next mesh resumes step 2 too
+    for k in finals[0]:
+        np.testing.assert_allclose(finals[0][k], finals[1][k], rtol=1e-5, atol=1e-6)
