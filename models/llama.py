@@ -29,9 +29,12 @@ class Output(NamedTuple):
     cache: KVCache
 
 
-def _param(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...], **meta) -> nnx.Param:
-    """A random parameter with its logical axes (`specjax.sharding.RULES` maps them to the mesh)."""
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, axes=axes, **meta)
+def _param(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...] | None = None, **meta) -> nnx.Param:
+    """A random parameter with its logical axes (`specjax.sharding.RULES` maps them to the mesh; a
+    parameter without them cannot be placed on a mesh)."""
+    if axes is not None:
+        meta["axes"] = axes
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, **meta)
 
 
 class RMSNorm(nnx.Module):

@@ -393,3 +393,20 @@ def test_device_script_runs_on_cpu(tmp_path):
     assert [r["method"] for r in runs] == ["none", "tree"] and all(r["ms_per_forward"] > 0 for r in runs)
     roof = next(r for r in recs if r["kind"] == "roofline")
     assert roof["bytes_per_step"] == roof["weights_bytes_per_device"] + roof["cache_bytes_per_device"]
+
+
+def test_cli_mesh_and_distributed_flags(monkeypatch, capsys):
+    """`--distributed` initializes jax.distributed before anything else; a bad `--mesh` is one clear
+    error before the model loads."""
+    from specjax import cli
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("model loaded")))
+    assert cli.main(["generate", "--distributed", "--prompt", "hi", "--mesh", "data=3,model=2"]) == 2
+    assert calls == [((), {})]
+    assert "needs 6 devices, there are 8" in capsys.readouterr().err
+    assert cli.main(["bench", "--mesh", "data=4,tensor=2"]) == 2
+    assert "axis 'tensor' is unknown" in capsys.readouterr().err
+    assert cli.main(["generate", "--method", "auto", "--prompt", "hi", "--mesh", "data=8"]) == 2
+    assert "scheduler" in capsys.readouterr().err
