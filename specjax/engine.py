@@ -110,6 +110,10 @@ class Result:
 class Engine:
     """Decodes batches of prompts with one model; owns the compile cache.
 
+    With `mesh=` (`specjax.sharding.make_mesh`) the target, draft and heads are placed on it by their
+    logical axes and every program runs sharded (batch rows over `data`, tensor parallel over `model`);
+    results are read back through one replicated view, so every process sees every row.
+
     Example:
       >>> eng = Engine.load("smollm2-135m")
       >>> eng.generate(["What is JAX?"], chat=True, max_new_tokens=32)[0].text
@@ -364,7 +368,8 @@ class Engine:
         Args:
           prompts: strings (tokenized here) or lists of token ids.
           chat: wrap each string prompt in the model's chat template as a user turn.
-          batch_size: rows per compiled batch; the last batch is padded.
+          batch_size: rows per compiled batch; the last batch is padded. On a mesh it must be a
+            multiple of the `data` axis (default: the prompts, padded up to one).
           spec: speculation method and K (`SpecConfig`); the default is the plain loop.
           **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p (one value or one
             per prompt), seed, stop_ids. Prompt i draws the random stream of global row i.

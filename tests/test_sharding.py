@@ -28,7 +28,6 @@ from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingParams, filtered_logits
-from specjax.state import step_keys  # noqa: F401  (the key schedule the sampled guard mirrors)
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 METHODS = {
