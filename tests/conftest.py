@@ -2,9 +2,7 @@
 
 import os
 
-# 8 fake CPU devices: the mesh tests (tests/test_sharding.py) need (8,1) (4,2) (2,4) (1,8); every other
-# test runs on device 0 as before (head training spreads its batch over all of them).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
