@@ -123,8 +123,9 @@ class EagleHead(nnx.Module):
         d, wd = config.dim, c.weight_dtype
         if config.num_features > 1:
             f = config.num_features * d
-            self.fuse = nnx.Param(jax.random.normal(rngs.params(), (f, d), wd) * f**-0.5)
-        self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), wd) * (2 * d) ** -0.5)
+            self.fuse = nnx.Param(jax.random.normal(rngs.params(), (f, d), wd) * f**-0.5, axes=("features", "embed"))
+        self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), wd) * (2 * d) ** -0.5,
+                            axes=("features", "embed"))
         self.attn_norm = llama.RMSNorm(d, c.norm_eps, wd)
         self.attn = llama.Attention(c, rngs)
         self.mlp_norm = llama.RMSNorm(d, c.norm_eps, wd)

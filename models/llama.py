@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax import sharding
 from specjax.models import kv_cache
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
@@ -29,13 +30,17 @@ class Output(NamedTuple):
     taps: tuple = ()  # the residual stream entering each requested layer (`taps=`), [B, T, D] each
 
 
-def _param(rngs: nnx.Rngs, shape, dtype, scale: float) -> nnx.Param:
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale)
+def _param(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...] | None = None, **meta) -> nnx.Param:
+    """A random parameter with its logical axes (`specjax.sharding.RULES` maps them to the mesh; a
+    parameter without them cannot be placed on a mesh)."""
+    if axes is not None:
+        meta["axes"] = axes
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, **meta)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
         self.eps = eps
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
@@ -62,14 +67,16 @@ class Attention(nnx.Module):
         c, wd = config, config.weight_dtype
         self.config = config
         s = c.dim**-0.5
-        self.wq = _param(rngs, (c.dim, c.num_heads * c.head_dim), wd, s)
-        self.wk = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s)
-        self.wv = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s)
-        self.wo = _param(rngs, (c.num_heads * c.head_dim, c.dim), wd, (c.num_heads * c.head_dim) ** -0.5)
+        kv = dict(kv_heads=c.num_kv_heads)  # head dims shard only when the kv heads divide tp
+        self.wq = _param(rngs, (c.dim, c.num_heads * c.head_dim), wd, s, ("embed", "q_heads"), **kv)
+        self.wk = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s, ("embed", "kv_heads"), **kv)
+        self.wv = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s, ("embed", "kv_heads"), **kv)
+        self.wo = _param(rngs, (c.num_heads * c.head_dim, c.dim), wd, (c.num_heads * c.head_dim) ** -0.5,
+                         ("q_heads", "embed"), **kv)
         if c.qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), wd))
-            self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd))
-            self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd))
+            self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), wd), axes=("q_heads",), **kv)
+            self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd), axes=("kv_heads",), **kv)
+            self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd), axes=("kv_heads",), **kv)
 
     def _proj(self, x, name: str):
         dt = self.config.compute_dtype
@@ -94,8 +101,9 @@ class Attention(nnx.Module):
         v_BTKH = self._proj(x, "v").reshape(b, t, c.num_kv_heads, c.head_dim)
         q_BTKGH = rope(q_BTKGH, positions, c.rope_theta)
         k_BTKH = rope(k_BTKH, positions, c.rope_theta)
-        k_buf = kv_cache.write(k_buf, k_BTKH, start)
-        v_buf = kv_cache.write(v_buf, v_BTKH, start)
+        kv_axes = ("batch", "seq", "kv_heads", "head_dim")
+        k_buf = sharding.constrain(kv_cache.write(k_buf, k_BTKH, start), kv_axes)
+        v_buf = sharding.constrain(kv_cache.write(v_buf, v_BTKH, start), kv_axes)
         scores = jnp.einsum("BTKGH,BSKH->BTKGS", q_BTKGH, k_buf.astype(q_BTKGH.dtype))
         scores = scores.astype(jnp.float32) * c.head_dim**-0.5
         scores = jnp.where(mask[:, :, None, None, :], scores, -1e30)
@@ -108,13 +116,14 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, wd = config, config.weight_dtype
         self.dtype = c.compute_dtype
-        self.w_gate = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5)
-        self.w_up = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5)
-        self.w_down = _param(rngs, (c.ffn_dim, c.dim), wd, c.ffn_dim**-0.5)
+        self.w_gate = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5, ("embed", "ffn"))
+        self.w_up = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5, ("embed", "ffn"))
+        self.w_down = _param(rngs, (c.ffn_dim, c.dim), wd, c.ffn_dim**-0.5, ("ffn", "embed"))
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         dt = self.dtype
         h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        h = sharding.constrain(h, ("batch", None, "ffn"))
         return h @ self.w_down[...].astype(dt)
 
 
@@ -138,11 +147,11 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         wd = config.weight_dtype
-        self.embed = _param(rngs, (config.vocab_size, config.dim), wd, config.dim**-0.5)
+        self.embed = _param(rngs, (config.vocab_size, config.dim), wd, config.dim**-0.5, ("vocab", "embed"))
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.dim, config.norm_eps, wd)
         if not config.tie_embeddings:
-            self.lm_head = _param(rngs, (config.dim, config.vocab_size), wd, config.dim**-0.5)
+            self.lm_head = _param(rngs, (config.dim, config.vocab_size), wd, config.dim**-0.5, ("embed", "vocab"))
 
     def hidden_states(
         self,
@@ -173,6 +182,7 @@ class Llama(nnx.Module):
         t = tokens.shape[1]
         mask = kv_cache.attention_mask(start, t, cache.length, window_mask)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+        x = sharding.constrain(x, ("batch", None, "embed"))
         ks, vs, tapped = [], [], {}
         for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, cache.k, cache.v)):
             if i in taps:
@@ -186,8 +196,10 @@ class Llama(nnx.Module):
         """LM head: the tied embedding (`...D,VD->...V`) or an own projection."""
         dt = self.config.compute_dtype
         if self.config.tie_embeddings:
-            return jnp.einsum("...D,VD->...V", hidden, self.embed[...].astype(dt))
-        return hidden @ self.lm_head[...].astype(dt)
+            out = jnp.einsum("...D,VD->...V", hidden, self.embed[...].astype(dt))
+        else:
+            out = hidden @ self.lm_head[...].astype(dt)
+        return sharding.constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
 
     def __call__(self, tokens, positions, cache, *, start=None, window_mask=None,
                  taps: tuple[int, ...] = ()) -> Output:

@@ -201,8 +201,11 @@ def main(args) -> int:
     specs = {m: spec_for(m, args) for m in methods}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
     heads = (args.heads or "default") if "medusa" in methods else None
+    from specjax.cli import mesh_arg
+
     eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
+                         mesh=mesh_arg(args))
     specs = {m: spec or spec_for(m, args, engine) for m, spec in specs.items()}
     engine.check([p.text for p in prompts], opts, chat=args.chat)
     for spec in specs.values():
@@ -214,6 +217,7 @@ def main(args) -> int:
     extra = roofline(engine.model)
     plain = next(r for r in records if r["method"] == "none" and r["task"] == "all")
     extra["fraction_of_roofline"] = plain["tok_s"] / extra["roofline_tok_s"] if args.batch_size == 1 else None
+    extra["memory_per_device"] = memory(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size)
     if args.hf:
         extra.update(_hf_baseline(args, engine, prompts, opts, rows))
     print(markdown(records))
@@ -223,6 +227,18 @@ def main(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
     return 0
+
+
+def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int) -> dict:
+    """Bytes per device (weights, draft, heads, KV caches) of the largest batch this bench runs, from
+    the layout (`specjax.sharding.memory_report`; equal to what the placed arrays hold)."""
+    from specjax import sharding
+
+    longest = max(len(x) for x in engine.encode([p.text for p in prompts], chat=chat))
+    bucket = engine.bucket_for(longest)
+    cache = max(engine.decoder(s, prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)[0].cache_length
+                for s in specs.values())
+    return sharding.memory_report(engine, batch=engine.rows_for(batch_size), cache_length=cache)
 
 
 def _hf_baseline(args, engine, prompts, opts, rows) -> dict:
@@ -265,6 +281,15 @@ def _markdown(r: dict) -> str:
         ("5-token / 1-token forward", f"{w[5] / w[1]:.2f}x"),
         ("9-token / 1-token forward", f"{w[9] / w[1]:.2f}x"),
     ]
+    mem = r.get("memory_per_device")
+    if mem:
+        mib = lambda k: f"{mem[k] / 2**20:.2f} MiB"
+        rows.append((f"memory per device, mesh {mem['mesh']}: weights / KV cache",
+                     f"{mib('weights')} / {mib('cache')}"))
+        if "draft" in mem:
+            rows.append(("memory per device: draft weights / draft KV cache", f"{mib('draft')} / {mib('draft_cache')}"))
+        if "heads" in mem:
+            rows.append(("memory per device: Medusa heads", mib("heads")))
     if "hf_tok_s" in r:
         rows += [("HF transformers tok/s (plain, batch 1)", f"{r['hf_tok_s']:.1f}"),
                  ("greedy tokens identical to HF", r["greedy_identical_to_hf"])]

@@ -18,6 +18,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (float32 is the fast one on CPU)")
 
 
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None,
+                   help="run on a device mesh, e.g. data=4,model=2 (batch rows over data, tensor "
+                        "parallel over model; data*model = all devices of all processes)")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (coordinator from the environment: "
+                        "TPU slice, Slurm, Open MPI, or JAX_COORDINATOR_ADDRESS etc.)")
+
+
+def mesh_arg(args):
+    """The `--mesh` of a command as a `jax.sharding.Mesh`, or None."""
+    from specjax import sharding
+
+    spec = getattr(args, "mesh", None)
+    return None if spec is None else sharding.make_mesh(spec)
+
+
+def _quiet_unless_process_0() -> None:
+    import os
+
+    import jax
+
+    if jax.process_index() != 0:  # every process runs the same program; one of them talks
+        sys.stdout = open(os.devnull, "w")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -125,11 +151,13 @@ def cmd_generate(args) -> int:
         return _generate_auto(args, opts, prompts)
     heads = (args.heads or "default") if spec is not None and spec.method == "medusa" else None
     eagle = (args.eagle or "default") if args.method == "eagle" else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle)
+    mesh = mesh_arg(args)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
+                         mesh=mesh)
     if spec is None:
         spec = eagle_spec(engine, args)
     texts = [p.text for p in prompts]
-    b = min(args.batch_size, len(prompts))
+    b = engine.rows_for(min(args.batch_size, len(prompts)))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
     for i in range(0, len(texts), b):
         batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i)
@@ -165,6 +193,9 @@ def _generate_auto(args, opts, prompts) -> int:
 
     from specjax.models import eagle_io
 
+    if getattr(args, "mesh", None) is not None:
+        raise ValueError("--method auto runs through the scheduler, which does not run on a mesh yet: "
+                         "drop --mesh or pick a method")
     engine = Engine.load(args.model, dtype=args.dtype)
     if args.heads or heads_io.shipped_heads_dir(engine.name):
         engine.load_heads(args.heads or "default")
@@ -347,7 +378,7 @@ def cmd_train_heads(args) -> int:
     train_heads(args.model, out, heads=heads, config=config, conversations=args.conversations,
                 eval_conversations=args.eval_conversations, max_new_tokens=args.max_new_tokens,
                 max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
-                log=lambda m: print(m, file=sys.stderr, flush=True))
+                log=lambda m: print(m, file=sys.stderr, flush=True), mesh=mesh_arg(args))
     return 0
 
 
@@ -357,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (streams, or --json records)")
     _add_model_args(g)
+    _add_mesh_args(g)
     _add_sampling_args(g)
     _add_spec_args(g)
     g.add_argument("--prompt")
@@ -371,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="offline: the plain loop and each method side by side on the same "
                                      "prompts, per task class, with the roofline")
     _add_model_args(b)
+    _add_mesh_args(b)
     _add_spec_args(b, many=True, default="none,ngram")
     _add_bench_args(b)
     b.add_argument("--batch-size", type=int, default=1, help="prompts per compiled batch")
@@ -412,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
     t.add_argument("--out", required=True, help="run directory: heads (for --heads), checkpoints, metrics")
+    _add_mesh_args(t)
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
@@ -469,6 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "distributed", False):
+            import jax
+
+            jax.distributed.initialize()  # before any other JAX call
+            _quiet_unless_process_0()
         return args.func(args)
     except ValueError as e:  # our validation errors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Int
 
-from specjax import acceptance, sampling, tree
+from specjax import acceptance, sampling, sharding, tree
 from specjax.config import chain
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
@@ -320,8 +320,9 @@ class Decoder:
     def prefill(self, model: Llama, pparams, inputs: Inputs) -> State:
         """Prefills the batch and sets up the proposer: the state `decode` continues from."""
         state, hidden = self.prefill_target(model, inputs)
-        return State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
-                     stats=Stats.zeros(inputs.batch_size, self.depth))
+        state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
+                      stats=Stats.zeros(inputs.batch_size, self.depth))
+        return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
 
     def insert(self, state: State, row: State, slot: Int[Array, ""]) -> State:
         """`state` with row `slot` replaced by the batch-of-one `row` (same cache length)."""
@@ -353,7 +354,8 @@ class Decoder:
         """
         stop_at = jnp.asarray(RUN_TO_END if stop_at is None else stop_at, jnp.int32)
         cond = lambda s: jnp.any(~s.decode.done) & (s.decode.forwards < stop_at)
-        return jax.lax.while_loop(cond, functools.partial(self.step, model, pparams), state)
+        body = lambda s: sharding.constrain_carry(self.step(model, pparams, s))  # carry keeps its layout
+        return jax.lax.while_loop(cond, body, sharding.constrain_carry(state))
 
 
 def plain_step(model: Llama, sampling_config: SamplingConfig, state: DecodeState) -> DecodeState:
@@ -380,19 +382,27 @@ def decode_program(graphdef, params, pparams, state: State, stop_at, *, decoder:
     return decoder.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
 
 
-def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None) -> State:
+def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
     """Prefill and decode to the end with the jitted programs; returns the final state.
 
-    Read the text back with `new_tokens(state)`. Calls with the same decoder and shapes reuse the
-    compiled programs.
+    Read the text back with `new_tokens(state, mesh)`. Calls with the same decoder and shapes reuse
+    the compiled programs. With a `mesh` (`specjax.sharding.make_mesh`) the model, the proposer's
+    params and the inputs are placed on it by their logical axes and the programs run under it.
     """
+    mesh = sharding.check_mesh(mesh)
+    if mesh is not None:
+        model = sharding.place_module(model, mesh)
+        pparams = sharding.place_pparams(pparams, mesh, proposer=decoder.proposer)
+        inputs = sharding.place_inputs(inputs, mesh)
     graphdef, params = nnx.split(model)
-    state = prefill_program(graphdef, params, pparams, inputs, decoder=decoder)
-    return decode_program(graphdef, params, pparams, state, jnp.int32(RUN_TO_END), decoder=decoder)
+    with sharding.use(mesh):
+        state = prefill_program(graphdef, params, pparams, inputs, decoder=decoder)
+        return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), decoder=decoder)
 
 
-def new_tokens(state: State | DecodeState) -> list[list[int]]:
-    """The generated ids of every row (a stop token included when one ended the row)."""
+def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:
+    """The generated ids of every row (a stop token included when one ended the row); with the
+    `mesh` the state lives on, read through one replicated view (every process sees every row)."""
     s = state.decode if isinstance(state, State) else state
-    toks, lens, plen = (np.asarray(x) for x in (s.tokens, s.lengths, s.prompt_lengths))
+    toks, lens, plen = sharding.host_view((s.tokens, s.lengths, s.prompt_lengths), mesh)
     return [toks[r, plen[r]: lens[r]].tolist() for r in range(toks.shape[0])]

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import decoder as core
-from specjax import sampling, telemetry
+from specjax import sampling, sharding, telemetry
 from specjax.config import HEADS_TREE, SpecConfig
 from specjax.decoder import MAX_STOP_IDS, Decoder, Inputs, State
 from specjax.proposers import registry
@@ -110,6 +110,10 @@ class Result:
 class Engine:
     """Decodes batches of prompts with one model; owns the compile cache.
 
+    With `mesh=` (`specjax.sharding.make_mesh`) the target, draft and heads are placed on it by their
+    logical axes and every program runs sharded (batch rows over `data`, tensor parallel over `model`);
+    results are read back through one replicated view, so every process sees every row.
+
     Example:
       >>> eng = Engine.load("smollm2-135m")
       >>> eng.generate(["What is JAX?"], chat=True, max_new_tokens=32)[0].text
@@ -117,7 +121,9 @@ class Engine:
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  name: str = "custom", draft: nnx.Module | None = None, draft_tokenizer=None,
-                 heads: nnx.Module | None = None, weights_id: str | None = None):
+                 heads: nnx.Module | None = None, weights_id: str | None = None, mesh=None):
+        self.mesh = sharding.check_mesh(mesh)  # None: one device, today's programs unchanged
+        model = sharding.place_module(model, self.mesh)  # params placed once, by their logical axes
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -137,10 +143,12 @@ class Engine:
     @classmethod
     def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32",
              draft_model: str | None = None, heads: str | None = None, eagle: str | None = None,
-             **kw) -> "Engine":
+             mesh=None, **kw) -> "Engine":
         """Loads a registry model, optionally a draft model with the same vocabulary and Medusa heads.
 
         Args:
+          mesh: a `("data", "model")` mesh (`specjax.sharding.make_mesh("data=4,model=2")`) to run
+            on: weights tensor-parallel over `model`, batch rows over `data`; None = one device.
           heads: a heads directory written by `specjax train-heads`, or "default" for the heads
             shipped with the model (`specjax.models.heads_io.shipped_heads_dir`).
           eagle: an EAGLE head directory (`specjax train-heads --kind eagle`), or "default" for the
@@ -149,7 +157,7 @@ class Engine:
         from specjax.models import loader
 
         lm = loader.load(name_or_path, dtype=dtype)
-        eng = cls(lm.model, lm.tokenizer, name=lm.config.name, weights_id=lm.weights_id, **kw)
+        eng = cls(lm.model, lm.tokenizer, name=lm.config.name, weights_id=lm.weights_id, mesh=mesh, **kw)
         if draft_model is not None:
             d = loader.load(draft_model, dtype=dtype)
             eng.set_draft(d.model, d.tokenizer)
@@ -181,6 +189,7 @@ class Engine:
 
         ids = tuple(int(t) for t in np.asarray(draft_ids).ravel())
         EagleProposer.from_head(head, ids, self.model, k=1)  # raises if it does not fit the target
+        head = sharding.place_module(head, self.mesh)
         self.assets.eagle = registry.LoadedEagle(module=head, ids=ids, manifest=dict(manifest or {}),
                                                  tuning=tuning)
 
@@ -233,6 +242,7 @@ class Engine:
         if tree is not None:
             tree = SpecConfig(method="medusa", tree=tuple(tuple(p) for p in tree)).tree
         MedusaProposer.from_heads(heads, self.model, vocab_subset=vocab, tree=tree)  # raises if unfit
+        heads = sharding.place_module(heads, self.mesh)
         self.assets.heads = LoadedHeads(module=heads, vocab=vocab, tree=tree, manifest=dict(manifest or {}))
 
     def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
@@ -250,7 +260,7 @@ class Engine:
         if dc.num_params > self.config.num_params:
             warnings.warn(f"draft model ({dc.num_params / 1e6:.0f}M params) is larger than its target "
                           f"({self.config.num_params / 1e6:.0f}M): speculation will be slower than plain")
-        self.assets.draft = draft
+        self.assets.draft = sharding.place_module(draft, self.mesh)
 
     def resolve(self, spec: SpecConfig) -> SpecConfig:
         """`spec` with `tree="heads"` replaced by the tree tuned for the loaded heads."""
@@ -349,7 +359,8 @@ class Engine:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
         kw = dict(statics) if decoder is None else dict(statics, decoder=decoder)
-        self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **kw).compile()
+        with sharding.use(self.mesh):  # the constraints inside resolve against this mesh
+            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **kw).compile()
         self.compile_count += 1
         return self._compiled[key], time.perf_counter() - t0
 
@@ -364,9 +375,10 @@ class Engine:
         anything is compiled, so bad input fails fast.
         """
         ids = self.check(prompts, opts, chat=chat)
-        b = batch_size or len(ids)
+        b = batch_size or self.rows_for(len(ids))
         if len(ids) > b:
             raise ValueError(f"{len(ids)} prompts for batch_size={b}: split them (see generate)")
+        sharding.check_batch(b, self.mesh)
         bucket = self.bucket_for(max(len(x) for x in ids))
         dec, pparams = self.decoder(spec, sampling=sampling_config or opts.sampling, cache_length=cache_length,
                                     prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)
@@ -375,7 +387,14 @@ class Engine:
                                temperature=pick(opts.temperature), top_k=pick(opts.top_k),
                                top_p=pick(opts.top_p), stop_ids=self.stop_ids(opts), seed=opts.seed,
                                row_ids=range(row_offset, row_offset + b))
+        inputs = sharding.place_inputs(inputs, self.mesh)
+        pparams = sharding.place_pparams(pparams, self.mesh, proposer=dec.proposer)
         return Batch(self, dec, pparams, inputs, n_real=len(ids), method=spec.method)
+
+    def rows_for(self, n: int) -> int:
+        """Rows of a batch for n prompts: n, rounded up to a multiple of the mesh's data axis."""
+        dp = 1 if self.mesh is None else self.mesh.shape["data"]
+        return -(-n // dp) * dp
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False,
                  batch_size: int | None = None, spec: SpecConfig = SpecConfig(), **kw) -> list[Result]:
@@ -384,7 +403,8 @@ class Engine:
         Args:
           prompts: strings (tokenized here) or lists of token ids.
           chat: wrap each string prompt in the model's chat template as a user turn.
-          batch_size: rows per compiled batch; the last batch is padded.
+          batch_size: rows per compiled batch; the last batch is padded. On a mesh it must be a
+            multiple of the `data` axis (default: the prompts, padded up to one).
           spec: speculation method and K (`SpecConfig`); the default is the plain loop.
           **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p (one value or one
             per prompt), seed, stop_ids. Prompt i draws the random stream of global row i.
@@ -395,14 +415,15 @@ class Engine:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
         self.check(prompts, opts, chat=chat)  # every prompt is validated before anything compiles
+        sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
         self.proposer(spec)  # and the speculation method (heads present, k in range, ...)
         results: list[Result] = []
         for i in range(0, len(prompts), b):
             sub = dataclasses.replace(opts, **{
                 n: tuple(_values(getattr(opts, n))[i:i + b]) for n in ("temperature", "top_k", "top_p")
                 if len(_values(getattr(opts, n))) > 1})
-            results.extend(self.start(prompts[i:i + b], sub, chat=chat, batch_size=b, spec=spec,
-                                      row_offset=i).run())
+            results.extend(self.start(prompts[i:i + b], sub, chat=chat, batch_size=batch_size and b,
+                                      spec=spec, row_offset=i).run())
         return results
 
 
@@ -415,11 +436,14 @@ class Batch:
         self.n_real, self.method = n_real, method
         self.compile_s = 0.0
         self._prefill = self._compile(core.prefill_program, pparams, inputs)
-        abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, decoder=decoder),
-                                  engine.graphdef, engine.params, pparams, inputs)
-        stop_at = jax.ShapeDtypeStruct((), np.int32)
+        with sharding.use(engine.mesh):
+            abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, decoder=decoder),
+                                      engine.graphdef, engine.params, pparams, inputs)
+        abstract = sharding.abstract_carry(abstract, engine.mesh)  # eval_shape drops shardings
+        stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), np.int32), engine.mesh)
         self._loop = self._compile(core.decode_program, pparams, abstract, stop_at)
         self.state: State | None = None
+        self._view = None  # (state, its host copy)
         self.ttft_s = 0.0
         self.decode_s = 0.0
 
@@ -434,9 +458,18 @@ class Batch:
         self.ttft_s = time.perf_counter() - t0
         return self.state
 
+    def view(self):
+        """Numpy copies of what the host reads of the state (tokens, lengths, done, counters), read
+        back once per state through one replicated view (`specjax.sharding.host_view`)."""
+        if self._view is None or self._view[0] is not self.state:
+            s = self.state.decode
+            keep = s.replace(cache=None, keys=None, table=None, sampling=None, contribute=None)
+            self._view = (self.state, sharding.host_view((keep, self.state.stats), self.engine.mesh))
+        return self._view[1]
+
     def decode(self, steps: int | None = None) -> State:
         """Runs the loop until all rows are done, or for at most `steps` forwards."""
-        forwards = int(self.state.decode.forwards)
+        forwards = int(self.view()[0].forwards)
         stop_at = np.int32(core.RUN_TO_END if steps is None else forwards + steps)
         t0 = time.perf_counter()
         self.state = jax.block_until_ready(self._loop(self.engine.params, self.pparams, self.state, stop_at))
@@ -445,7 +478,7 @@ class Batch:
 
     @property
     def finished(self) -> bool:
-        return bool(np.all(np.asarray(self.state.decode.done)[: self.n_real]))
+        return bool(np.all(self.view()[0].done[: self.n_real]))
 
     def run(self) -> list[Result]:
         self.prefill()
@@ -456,10 +489,9 @@ class Batch:
     def stream(self, chunk: int = 8) -> Iterator[list[list[int]]]:
         """Yields, per chunk of decode steps, the new token ids of each row."""
         self.prefill()
-        seen = np.asarray(self.state.decode.prompt_lengths)
+        seen = self.view()[0].prompt_lengths
         while True:
-            lengths = np.asarray(self.state.decode.lengths)
-            toks = np.asarray(self.state.decode.tokens)
+            lengths, toks = self.view()[0].lengths, self.view()[0].tokens
             yield [toks[r, seen[r]: lengths[r]].tolist() for r in range(self.n_real)]
             seen = lengths
             if self.finished:
@@ -467,12 +499,12 @@ class Batch:
             self.decode(chunk)
 
     def new_tokens(self) -> list[list[int]]:
-        return core.new_tokens(self.state)[: self.n_real]
+        s = self.view()[0]
+        return [s.tokens[r, s.prompt_lengths[r]: s.lengths[r]].tolist() for r in range(self.n_real)]
 
     def results(self) -> list[Result]:
-        s = self.state.decode
-        stops, max_new, fwd = (np.asarray(x) for x in (s.stop_ids, s.max_new, s.row_forwards))
-        stats = jax.tree.map(np.asarray, self.state.stats)
+        s, stats = self.view()
+        stops, max_new, fwd = s.stop_ids, s.max_new, s.row_forwards
         tok = self.engine.tokenizer
         k = self.decoder.depth
         return [Result(tokens=toks, text=tok.decode(toks, skip_special=True) if tok else "",

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from specjax import sharding
+
 NEG_INF = -1e30
 
 
@@ -64,9 +66,10 @@ def _expand(x: Array, ndim: int) -> Array:
 def filtered_logits(logits: Float[Array, "B *T V"], params: SamplingParams) -> Float[Array, "B *T V"]:
     """Temperature-scaled logits with tokens outside top-k / top-p set to -inf (-1e30).
 
-    Rows at temperature 0 are scaled by 1; callers treat them as argmax (see `probs`).
+    Rows at temperature 0 are scaled by 1; callers treat them as argmax (see `probs`). On a mesh the
+    vocabulary is gathered first (the sort needs it whole); the batch stays split.
     """
-    logits = logits.astype(jnp.float32)
+    logits = sharding.gather_vocab(logits.astype(jnp.float32))
     nd = logits.ndim
     temp = _expand(params.temperature, nd)
     logits = logits / jnp.where(temp > 0, temp, 1.0)

@@ -42,7 +42,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from specjax import decoder as core
-from specjax import telemetry
+from specjax import sharding, telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
 from specjax.decoder import Decoder, Inputs, State, Stats
@@ -207,6 +207,8 @@ class Scheduler:
         if int(chunk) != chunk or chunk < 1:
             raise ValueError(f"chunk={chunk}: must be an integer >= 1")
         opts.validate()
+        if getattr(engine, "mesh", None) is not None:
+            raise ValueError("the scheduler does not run on a mesh yet: use Engine.generate / start there")
         self.engine, self.b, self.opts, self.chunk, self.chat = engine, int(slots), opts, int(chunk), chat
         bad = [x for x in (batch_sizes or ()) if int(x) != x or not 1 <= x <= self.b]
         if bad:
@@ -354,7 +356,8 @@ class Scheduler:
                 self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
         self._lengths = np.asarray(self.state.lengths).copy()
         if self.ccfg is not None:
-            self.costs = {size: self.calibrate(size=size) for size in self.sizes}
+            # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
+            self.costs = sharding.broadcast_from_0({size: self.calibrate(size=size) for size in self.sizes})
             self.cost = self.costs[self.b]
             self.controller = Controller(self.ccfg, self.cost)
 
@@ -476,7 +479,7 @@ class Scheduler:
         if self.controller is None:
             return Plan(self.options[0], 1.0, "fixed")
         self.controller.cost = self.costs.get(size or self.b, self.cost)
-        return self.controller.choose([r.id for r in active])
+        return sharding.broadcast_from_0(self.controller.choose([r.id for r in active]))
 
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None]

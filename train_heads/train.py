@@ -2,8 +2,11 @@
 
 Loss (Medusa-1/2): `sum_m w**m * CE_m`, CE_m the mean cross-entropy of head m over the rows where its
 label exists (response positions only; `TokenData.labels` marks the rest -1). AdamW with linear
-warmup and cosine decay. The batch is sharded over a 1-D mesh of all devices (`"data"` axis), the
-parameters and optimiser state replicated; XLA inserts the gradient all-reduce.
+warmup and cosine decay. The batch is sharded over the `data` axis of a `("data", "model")` mesh (by
+default all devices on `data`); parameters and optimiser state are laid out by their logical axes
+(`specjax.sharding`): replicated, except what is vocabulary-sized (an own projection, the frozen
+base's embedding), which is split over `model`. XLA inserts the gradient all-reduce. Checkpoints are
+saved sharded and restored onto whatever mesh the resuming run has.
 
 Resuming is exact: the rows of step s are a pure function of (seed, s) (one seeded permutation per
 epoch), and a checkpoint carries the parameters and the full optimiser state (its step count drives
@@ -28,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from specjax import sharding
 from specjax.train_heads import checkpoint
 from specjax.train_heads.data import TokenData
 from specjax.models.heads import HeadsConfig, MedusaHeads
@@ -122,11 +126,14 @@ def loss_fn(params, graphdef, base, hidden, labels, head_decay: float, tokens=No
     return jnp.sum(weights * ce), (ce, top1 / jnp.maximum(count, 1.0))
 
 
-def make_train_step(graphdef, base_graphdef, tx: optax.GradientTransformation, config: TrainConfig):
+def make_train_step(graphdef, base_graphdef, tx: optax.GradientTransformation, config: TrainConfig,
+                    out_shardings=None):
     """The jitted step `(params, opt_state, base_params, hidden, labels, tokens) -> (params, opt_state,
-    metrics)`; `tokens` (the token at t + 1 of each row) is read by `token_input` heads only."""
+    metrics)`; `tokens` (the token at t + 1 of each row) is read by `token_input` heads only.
+    `out_shardings`: (params', opt_state') shardings to keep the state's layout step after step."""
+    pin = {} if out_shardings is None else dict(out_shardings=(*out_shardings, None))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), **pin)
     def step(params, opt_state, base_params, hidden, labels, tokens):
         base = nnx.merge(base_graphdef, base_params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -151,6 +158,15 @@ def make_eval_step(graphdef, base_graphdef):
     return step
 
 
+def _like_params(abstract_opt, param_shardings, replicated):
+    """Shardings of an optax state: every subtree shaped like the params (Adam's mu, nu) takes the
+    params' shardings; counters and the rest are replicated."""
+    structure = jax.tree.structure(param_shardings)
+    is_params = lambda x: isinstance(x, dict) and jax.tree.structure(x) == structure
+    return jax.tree.map(lambda x: param_shardings if is_params(x) else replicated, abstract_opt,
+                        is_leaf=is_params)
+
+
 def batch_rows(rows: np.ndarray, batch_size: int, seed: int, step: int) -> np.ndarray:
     """The rows of `step`: slice `step % E` of epoch `step // E`'s permutation (E batches an epoch)."""
     per_epoch = len(rows) // batch_size
@@ -168,15 +184,17 @@ class Trainer:
     """Trains heads against a frozen base model on `TokenData`; writes checkpoints and metrics to `out`."""
 
     def __init__(self, heads_config: HeadsConfig, base: nnx.Module, train_data: TokenData,
-                 eval_data: TokenData | None, out: str | pathlib.Path, config: TrainConfig, *, run_info=None):
+                 eval_data: TokenData | None, out: str | pathlib.Path, config: TrainConfig, *, run_info=None,
+                 mesh: Mesh | None = None):
         if train_data.hidden.shape[-1] != heads_config.dim:
             raise ValueError(f"data hidden size {train_data.hidden.shape[-1]} != heads dim {heads_config.dim}")
         self.hc, self.config, self.out = heads_config, config, pathlib.Path(out)
-        self.devices = jax.devices()
-        if config.batch_size % len(self.devices):
+        self.mesh = sharding.check_mesh(mesh) or sharding.make_mesh(data=-1)  # default: all devices on data
+        self.devices = list(self.mesh.devices.flat)
+        dp = self.mesh.shape["data"]
+        if config.batch_size % dp:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of the "
-                             f"{len(self.devices)} devices")
-        self.mesh = Mesh(np.array(self.devices), ("data",))
+                             f"{dp} devices of the data axis")
         self.rows_sharding = NamedSharding(self.mesh, P("data"))
         self.replicated = NamedSharding(self.mesh, P())
         self.data, self.eval_data = train_data, eval_data
@@ -188,12 +206,18 @@ class Trainer:
         heads = MedusaHeads(heads_config, base=base, rngs=nnx.Rngs(config.seed))
         self.graphdef = nnx.graphdef(heads)
         self.base_graphdef, base_params = nnx.split(base)
-        self.base_params = jax.device_put(base_params, self.replicated)
+        self.base_params = sharding.place_state(base_params, self.mesh)
         self.tx = optimizer(config)
-        self.params = jax.device_put(checkpoint.params_of(heads), self.replicated)
-        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+        specs = sharding.param_specs(nnx.state(heads, nnx.Param), self.mesh)
+        shard = lambda s: NamedSharding(self.mesh, s)
+        self.param_shardings = jax.tree.map(shard, nnx.to_pure_dict(specs), is_leaf=lambda x: isinstance(x, P))
+        self.params = jax.tree.map(sharding.put, checkpoint.params_of(heads), self.param_shardings)
+        self.opt_shardings = _like_params(jax.eval_shape(self.tx.init, self.params), self.param_shardings,
+                                          self.replicated)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
-        self.train_step = make_train_step(self.graphdef, self.base_graphdef, self.tx, config)
+        self.train_step = make_train_step(self.graphdef, self.base_graphdef, self.tx, config,
+                                          out_shardings=(self.param_shardings, self.opt_shardings))
         self.eval_step = make_eval_step(self.graphdef, self.base_graphdef)
         self.run = dict(heads=dataclasses.asdict(heads_config), train=dataclasses.asdict(config),
                         rows=int(train_data.num_rows), **(run_info or {}))
@@ -203,11 +227,12 @@ class Trainer:
 
     @property
     def heads(self) -> MedusaHeads:
-        return checkpoint.heads_from_params(self.hc, jax.device_get(self.params))
+        return checkpoint.heads_from_params(self.hc, sharding.host_view(self.params, self.mesh))
 
     def resume(self) -> int:
         """Restores the newest readable checkpoint, if any; returns the step to continue from."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+        # restored onto this run's layout, whatever mesh wrote the checkpoint
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 dict(params=self.params, opt_state=self.opt_state))
         found = self.ckpts.restore(abstract, self.run)
         if found is not None:
@@ -247,14 +272,14 @@ class Trainer:
         while self.step < end:
             t0 = time.perf_counter()
             idx = batch_rows(self.rows, c.batch_size, c.seed, self.step)
-            hidden = jax.device_put(self.data.hidden[idx], self.rows_sharding)
-            labels = jax.device_put(self.labels[idx], self.rows_sharding)
-            tokens = jax.device_put(self.data.tokens[idx], self.rows_sharding)
+            hidden = sharding.put(self.data.hidden[idx], self.rows_sharding)
+            labels = sharding.put(self.labels[idx], self.rows_sharding)
+            tokens = sharding.put(self.data.tokens[idx], self.rows_sharding)
             self.params, self.opt_state, m = self.train_step(
                 self.params, self.opt_state, self.base_params, hidden, labels, tokens)
             self.step += 1
             if self.step % c.log_every == 0 or self.step == end:
-                m = jax.device_get(m)
+                m = sharding.host_view(m, self.mesh)
                 self._log(dict(step=self.step, loss=round(float(m["loss"]), 5), ce=m["ce"].round(4).tolist(),
                                acc=m["acc"].round(4).tolist(), lr=float(schedule(c)(self.step - 1))))
                 bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc0=f"{float(m['acc'][0]):.3f}")
@@ -272,16 +297,18 @@ class Trainer:
         """Per-head top-1 / top-5 accuracy and cross-entropy on held-out rows (and the base's top-1)."""
         data = data if data is not None else self.eval_data
         labels = data.labels(self.hc.num_heads)
-        batch_size = -(-batch_size // len(self.devices)) * len(self.devices)
+        dp = self.mesh.shape["data"]
+        batch_size = -(-batch_size // dp) * dp
         totals, base_hits = None, 0
         for lo in range(0, data.num_rows, batch_size):
             sl = slice(lo, lo + batch_size)
             n = len(labels[sl])
             pad = lambda x, fill: np.concatenate([x, np.full((batch_size - n,) + x.shape[1:], fill, x.dtype)])
             sums, hit = self.eval_step(
-                self.params, self.base_params, jax.device_put(pad(data.hidden[sl], 0), self.rows_sharding),
-                jax.device_put(pad(labels[sl], -1), self.rows_sharding),
-                jax.device_put(pad(data.tokens[sl], -1), self.rows_sharding))
+                self.params, self.base_params, sharding.put(pad(data.hidden[sl], 0), self.rows_sharding),
+                sharding.put(pad(labels[sl], -1), self.rows_sharding),
+                sharding.put(pad(data.tokens[sl], -1), self.rows_sharding))
+            sums, hit = sharding.host_view((sums, hit), self.mesh)
             sums = [np.asarray(s, np.float64) for s in sums]
             totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
             base_hits += int(hit)
@@ -295,7 +322,7 @@ class Trainer:
 def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dict | None = None,
                 config: TrainConfig = TrainConfig(), conversations: int = 1024, eval_conversations: int = 64,
                 max_new_tokens: int = 128, max_prompt_tokens: int = 256, gen_batch_size: int = 16,
-                progress: bool = True, log=print) -> dict:
+                progress: bool = True, log=print, mesh: Mesh | None = None) -> dict:
     """The whole recipe: self-distilled ShareGPT data (cached), training (resumable), heads in `out`.
 
     Args:
@@ -306,6 +333,7 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
       config: optimisation settings.
       conversations: ShareGPT prompts to distill; the last `eval_conversations` are held out.
       max_new_tokens, max_prompt_tokens, gen_batch_size: generation of the responses.
+      mesh: the training mesh (`specjax.sharding.make_mesh`); default all devices on `data`.
 
     Returns:
       The manifest saved with the heads (its `metrics` hold the held-out accuracies).
@@ -328,7 +356,7 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
     train_data, eval_data = rows.conversations(0, split), rows.conversations(split, conversations)
     run_info = dict(model=engine.name, weights_id=engine.weights_id, data=index["source_sha256"],
                     conversations=conversations, eval_conversations=eval_conversations)
-    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info)
+    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info, mesh=mesh)
     if trainer.resume():
         log(f"resumed from step {trainer.step}")
     metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()

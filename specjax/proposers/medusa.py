@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from specjax import sharding
 from specjax.config import HEADS_TREE, Tree, chain
 from specjax.models.heads import MedusaHeads
 from specjax.models.llama import Llama
@@ -141,7 +142,7 @@ class MedusaProposer:
     def propose(self, params: MedusaParams, hidden, state: DecodeState, sampling_config, keys):
         logits = self.head_logits(params, hidden, last_tokens(state))
         paths = self.paths
-        _, top = jax.lax.top_k(logits, 1 + max(p[-1] for p in paths))  # [B, M, R]
+        top = _top_ids(logits, 1 + max(p[-1] for p in paths))  # [B, M, R]
         if params.ids is not None:
             top = params.ids[top]  # subset index -> token id
         head = np.asarray([len(p) - 1 for p in paths])
@@ -151,3 +152,21 @@ class MedusaProposer:
     def reconcile(self, params, hidden, state, verify, accepted):
         """Keeps the hidden state at the accepted leaf's window slot."""
         return jnp.take_along_axis(verify.hidden, accepted.leaf[:, None, None], axis=1)[:, 0]
+
+
+def _top_ids(logits: Float[Array, "B M V"], r: int) -> Int[Array, "B M R"]:
+    """The ids of the r largest logits, best first (ties: lowest id first, like `lax.top_k`).
+
+    On a mesh, `lax.top_k` would gather the whole batch onto every device, so there it is r rounds
+    of argmax-then-mask instead: vocab-parallel, each round exchanging only per-shard (max, index)
+    pairs. Without a mesh it is `lax.top_k`, as ever.
+    """
+    if not sharding.active():
+        return jax.lax.top_k(logits, r)[1]
+    vocab = jnp.arange(logits.shape[-1]).reshape((1,) * (logits.ndim - 1) + (-1,))
+    ids = []
+    for _ in range(r):
+        i = jnp.argmax(logits, axis=-1)
+        ids.append(i)
+        logits = jnp.where(vocab == i[..., None], -jnp.inf, logits)
+    return jnp.stack(ids, axis=-1).astype(jnp.int32)
