@@ -443,3 +443,20 @@ def memory_report(engine, *, batch: int, cache_length: int) -> dict:
         _, hstate = nnx.split(engine.heads.module)
         out["heads"] = param_bytes_per_device(hstate, one)
     return out
+
+
+def top_k(x, k: int):
+    """(values, ids) of the k largest entries of the last axis, best first (ties: lowest index, as
+    `lax.top_k`). On a mesh `lax.top_k` would gather the whole batch (and a vocab-parallel last axis)
+    onto every device; there it is k rounds of max-then-mask, each exchanging only per-shard
+    (max, index) pairs. Without a mesh it is `lax.top_k`."""
+    if not active():
+        return jax.lax.top_k(x, k)
+    index = jnp.arange(x.shape[-1]).reshape((1,) * (x.ndim - 1) + (-1,))
+    values, ids = [], []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1)
+        values.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
+        ids.append(i)
+        x = jnp.where(index == i[..., None], -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)

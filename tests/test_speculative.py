@@ -333,7 +333,7 @@ def test_compile_once_per_bucket(tiny_model):
     (dict(method="ngram", k=2.5), "k=2.5"),
     (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
     (dict(method="ngram", ngram_min=0), "ngram_min"),
-    (dict(method="eagle"), "unknown method"),
+    (dict(method="hydra"), "unknown method"),
     (dict(method="ngram", tree="small"), "'medusa' only"),
     (dict(method="medusa", tree="huge"), "unknown tree"),
     (dict(method="medusa", tree=((0,), (1, 0))), "parent"),

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
-from specjax import sampling, tree
+from specjax import sampling, sharding, tree
 from specjax.config import Tree, chain
 from specjax.models import eagle as eagle_model
 from specjax.models.eagle import EagleConfig, EagleHead
@@ -207,7 +207,7 @@ class EagleProposer:
         b = state.lengths.shape[0]
         s, m = state.capacity, self.scratch
         logp = jax.nn.log_softmax(head.logits(pstate.feature, params.lm_rows), axis=-1)  # [B, Vd]
-        score, tok = jax.lax.top_k(logp, k)
+        score, tok = sharding.top_k(logp, k)  # no batch gather on a mesh
         scores, toks, parents = [score - TIE_BREAK], [tok], [jnp.full((b, k), -1, jnp.int32)]
         front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index of each
         front_feat = jnp.broadcast_to(pstate.feature[:, None], (b, k, pstate.feature.shape[-1]))
@@ -224,21 +224,21 @@ class EagleProposer:
             out, cache = head(front_feat, jnp.take(params.embed, jnp.take(params.ids, front_tok), axis=0), pos,
                               jnp.full((b,), s + slot0, jnp.int32), mask, cache)
             lp = jax.nn.log_softmax(head.logits(out, params.lm_rows), axis=-1)  # [B, k, Vd]
-            cs, ct = jax.lax.top_k(lp, k)
+            cs, ct = sharding.top_k(lp, k)
             child_score = (front_score[:, :, None] + cs - TIE_BREAK).reshape(b, k * k)
             child_tok = ct.reshape(b, k * k)
             child_parent = jnp.broadcast_to(front[:, :, None], (b, k, k)).reshape(b, k * k)
             scores.append(child_score)
             toks.append(child_tok)
             parents.append(child_parent)
-            front_score, pick = jax.lax.top_k(child_score, k)
+            front_score, pick = sharding.top_k(child_score, k)
             front = offset + pick
             front_tok = jnp.take_along_axis(child_tok, pick, axis=1)
             front_feat = jnp.take_along_axis(out, (pick // k)[:, :, None], axis=1)
             front_anc = jnp.take_along_axis(anc, (pick // k)[:, :, None], axis=1)
             offset += k * k
         score, tok, parent = (jnp.concatenate(x, axis=1) for x in (scores, toks, parents))
-        _, chosen = jax.lax.top_k(score, self.nodes)
+        _, chosen = sharding.top_k(score, self.nodes)
         chosen = jnp.sort(chosen, axis=1)  # candidates are laid out level by level: parents first
         rows = jnp.arange(b)[:, None]
         slot_of = jnp.zeros(score.shape, jnp.int32).at[rows, chosen].set(jnp.arange(1, self.nodes + 1))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
@@ -161,12 +160,4 @@ def _top_ids(logits: Float[Array, "B M V"], r: int) -> Int[Array, "B M R"]:
     of argmax-then-mask instead: vocab-parallel, each round exchanging only per-shard (max, index)
     pairs. Without a mesh it is `lax.top_k`, as ever.
     """
-    if not sharding.active():
-        return jax.lax.top_k(logits, r)[1]
-    vocab = jnp.arange(logits.shape[-1]).reshape((1,) * (logits.ndim - 1) + (-1,))
-    ids = []
-    for _ in range(r):
-        i = jnp.argmax(logits, axis=-1)
-        ids.append(i)
-        logits = jnp.where(vocab == i[..., None], -jnp.inf, logits)
-    return jnp.stack(ids, axis=-1).astype(jnp.int32)
+    return sharding.top_k(logits, r)[1]
