@@ -55,12 +55,18 @@ MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
 
 
-def window_of(proposer) -> int:
-    """Tokens the target sees per step with this proposer (its tree's width, the root included)."""
+def proposer_topology(proposer) -> tree.Topology | tree.DynamicTopology:
+    """The verify window a proposer drafts: its static tree (a chain of K for chain proposers), or
+    the node budget of a tree it builds each step (`tree.DynamicTopology`)."""
     dynamic = getattr(proposer, "topology", None)
     if dynamic is not None:
-        return dynamic.width
-    return tree.topology(getattr(proposer, "paths", None) or chain(proposer.k)).width
+        return dynamic
+    return tree.topology(getattr(proposer, "paths", None) or chain(proposer.k))
+
+
+def window_of(proposer) -> int:
+    """Tokens the target sees per step with this proposer (its tree's width, the root included)."""
+    return proposer_topology(proposer).width
 
 
 def round_up_pow2(n: int, minimum: int = 16) -> int:
@@ -261,12 +267,7 @@ class Decoder:
     def topology(self) -> tree.Topology | tree.DynamicTopology:
         """The verify window: the proposer's tree (a chain of K for chain proposers), or the node
         budget of a tree the proposer builds each step (`tree.DynamicTopology`)."""
-        if self.proposer is None:
-            return tree.topology(())
-        dynamic = getattr(self.proposer, "topology", None)
-        if dynamic is not None:
-            return dynamic
-        return tree.topology(getattr(self.proposer, "paths", None) or chain(self.proposer.k))
+        return tree.topology(()) if self.proposer is None else proposer_topology(self.proposer)
 
     @property
     def taps(self) -> tuple[int, ...]:
