@@ -197,7 +197,7 @@ class EagleProposer:
                                   attention_mask(pos, 1, cache.length), cache)
                 feat = out[:, 0]
         draft = jnp.stack(tokens, axis=1)
-        # the draft entries are replaced by `reconcile`; the state keeps the step's input cache
+        # the entries written here lie past the committed length: `reconcile` overwrites them
         return draft, (jnp.stack(qs, axis=1) if sampled else None), pstate.replace(cache=cache)
 
     def _tree(self, params: EagleParams, pstate: EagleState, state: DecodeState) -> tree.DraftTree:
