@@ -10,7 +10,8 @@ from specjax.acceptance import Greedy, SpecInfer, Speculative, TypicalAcceptance
 from specjax.config import SpecConfig
 from specjax.decoder import Decoder, Inputs, State, Stats, cache_length, generate, new_tokens
 from specjax.engine import Engine, GenerateOptions, Result
-from specjax.proposers import DraftModelProposer, MedusaParams, MedusaProposer, NgramProposer
+from specjax.proposers import (DraftModelProposer, EagleParams, EagleProposer, MedusaParams, MedusaProposer,
+                               NgramProposer)
 from specjax.scheduler import Scheduler
 from specjax.telemetry import SpecCounters
 
@@ -18,5 +19,5 @@ __all__ = [
     "Decoder", "Inputs", "State", "Stats", "cache_length", "generate", "new_tokens",
     "acceptance", "Greedy", "SpecInfer", "Speculative", "TypicalAcceptance",
     "SpecConfig", "Engine", "GenerateOptions", "Result", "Scheduler", "SpecCounters",
-    "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams",
+    "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams", "EagleProposer", "EagleParams",
 ]

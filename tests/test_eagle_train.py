@@ -1,5 +1,7 @@
 """EAGLE heads: the training unroll equals the drafting path; training learns and resumes exactly."""
 
+import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -91,15 +93,20 @@ def test_training_learns_a_copy_task_and_resumes_exactly(tiny_model, config, tmp
     after = full.fit(progress=False)
     # the labels are the random target's own (near-flat) distributions: its argmax is learned
     assert after["acc"][0] > before["acc"][0] + 0.2 and after["feat"][0] < 0.6 * before["feat"][0], (before, after)
-    # interrupted at step 50, resumed in a new trainer: the same parameters as the uninterrupted run
+    # interrupted at step 60 (last checkpoint 50), resumed in a new trainer: the same parameters as the uninterrupted run
     part = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", cfg)
-    part.fit(stop_at=50, progress=False)
+    part.fit(stop_at=60, progress=False)
     part.ckpts.close()
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "60")  # killed after logging step 60, before saving it
     resumed = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", cfg)
     assert resumed.resume() == 50
     resumed.fit(progress=False)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), full.params,
                  resumed.params)
+    # and the same training log: what the interrupted run logged past its checkpoint is not repeated
+    losses = lambda run: [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / run / "metrics.jsonl")
+                                                               .read_text().splitlines()) if "loss" in r]
+    assert losses("b") == losses("a") and losses("a")
     # another run's settings are refused
     other = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "b", small_cfg(steps=100, lr=1e-3))
     with pytest.raises(ValueError, match="another run"):

@@ -8,11 +8,13 @@ before it.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
 import warnings
 
+import jax
 import orbax.checkpoint as ocp
 
 from specjax.models.heads_io import (  # noqa: F401  (re-exported for training code)
@@ -86,3 +88,53 @@ class TrainCheckpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+class ResumableRun:
+    """What a training run shares with every other: resume from, and save to, its checkpoints, and
+    append metrics to `out/metrics.jsonl`.
+
+    A subclass sets `params`, `opt_state`, `step`, `elapsed` (training seconds), `run` (the settings
+    a resumed run must match), `ckpts` (`TrainCheckpoints`) and `out`.
+    """
+
+    params: dict
+    opt_state: dict
+    step: int
+    elapsed: float
+    run: dict
+    ckpts: TrainCheckpoints
+    out: pathlib.Path
+
+    @property
+    def metrics_path(self) -> pathlib.Path:
+        return pathlib.Path(self.out) / "metrics.jsonl"
+
+    def resume(self) -> int:
+        """Restores the newest readable checkpoint of this run, if any, onto this run's layout
+        (whatever mesh wrote it); returns the step to continue from."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                dict(params=self.params, opt_state=self.opt_state))
+        found = self.ckpts.restore(abstract, self.run)
+        if found is not None:
+            self.step, state, meta = found
+            self.params, self.opt_state = state["params"], state["opt_state"]
+            self.elapsed = float(meta.get("elapsed_s", meta.get("elapsed", 0.0)))  # "elapsed": older EAGLE runs
+        self._trim_metrics()
+        return self.step
+
+    def save(self) -> None:
+        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state),
+                        dict(run=self.run, step=self.step, elapsed_s=self.elapsed))
+
+    def _trim_metrics(self) -> None:
+        # Lines past the restored step were written by the killed run; the resumed one rewrites them.
+        if self.metrics_path.is_file():
+            lines = [l for l in self.metrics_path.read_text().splitlines()
+                     if l.strip() and json.loads(l)["step"] <= self.step]
+            self.metrics_path.write_text("".join(l + "\n" for l in lines))
+
+    def _log(self, record: dict) -> None:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -41,7 +41,7 @@ from specjax.models import eagle as eagle_model
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.kv_cache import KVCache
-from specjax.train_heads.checkpoint import TrainCheckpoints
+from specjax.train_heads.checkpoint import ResumableRun, TrainCheckpoints
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -312,7 +312,7 @@ def summarize(sums: dict) -> dict:
 # ---- the trainer -----------------------------------------------------------------------------------
 
 
-class EagleTrainer:
+class EagleTrainer(ResumableRun):
     """A resumable EAGLE head run: `fit`, `evaluate`, `save`; checkpoints and metrics in `out`."""
 
     def __init__(self, config: EagleConfig, target, train: Sequences, held_out: Sequences, draft_ids,
@@ -355,25 +355,6 @@ class EagleTrainer:
     @property
     def head(self) -> EagleHead:
         return nnx.merge(self.head_graphdef, self.params)
-
-    def resume(self) -> int:
-        """Restores the newest checkpoint of this run, if any; returns the step reached."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                dict(params=self.params, opt_state=self.opt_state))
-        found = self.ckpts.restore(abstract, self.run)
-        if found is not None:
-            self.step, state, meta = found
-            self.params, self.opt_state = state["params"], state["opt_state"]
-            self.elapsed = float(meta.get("elapsed", 0.0))
-        return self.step
-
-    def save(self) -> None:
-        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state),
-                        dict(run=self.run, elapsed=self.elapsed))
-
-    def _log(self, record: dict) -> None:
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
 
     def _batch(self, data: Sequences, rows: np.ndarray):
         return (jax.device_put(jnp.asarray(data.tokens[rows]), self.rows),

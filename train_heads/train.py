@@ -180,7 +180,7 @@ def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-class Trainer:
+class Trainer(checkpoint.ResumableRun):
     """Trains heads against a frozen base model on `TokenData`; writes checkpoints and metrics to `out`."""
 
     def __init__(self, heads_config: HeadsConfig, base: nnx.Module, train_data: TokenData,
@@ -222,41 +222,11 @@ class Trainer:
         self.run = dict(heads=dataclasses.asdict(heads_config), train=dataclasses.asdict(config),
                         rows=int(train_data.num_rows), **(run_info or {}))
         self.ckpts = checkpoint.TrainCheckpoints(self.out / "checkpoints", keep=config.keep)
-        self.metrics_path = self.out / "metrics.jsonl"
         self.elapsed = 0.0
 
     @property
     def heads(self) -> MedusaHeads:
         return checkpoint.heads_from_params(self.hc, sharding.host_view(self.params, self.mesh))
-
-    def resume(self) -> int:
-        """Restores the newest readable checkpoint, if any; returns the step to continue from."""
-        # restored onto this run's layout, whatever mesh wrote the checkpoint
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                dict(params=self.params, opt_state=self.opt_state))
-        found = self.ckpts.restore(abstract, self.run)
-        if found is not None:
-            self.step, state, meta = found
-            self.params, self.opt_state = state["params"], state["opt_state"]
-            self.elapsed = float(meta.get("elapsed_s", 0.0))
-        self._trim_metrics()
-        return self.step
-
-    def _trim_metrics(self) -> None:
-        # Lines past the restored step were written by the killed run; the resumed one rewrites them.
-        if self.metrics_path.is_file():
-            lines = [l for l in self.metrics_path.read_text().splitlines()
-                     if l.strip() and json.loads(l)["step"] <= self.step]
-            self.metrics_path.write_text("".join(l + "\n" for l in lines))
-
-    def _log(self, record: dict) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def save(self) -> None:
-        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state),
-                        dict(run=self.run, step=self.step, elapsed_s=self.elapsed))
 
     def fit(self, *, stop_at: int | None = None, progress: bool = True) -> dict:
         """Runs from the current step to `config.steps` (or `stop_at`, as if killed there).

@@ -10,7 +10,6 @@ Writes two optional files beside the heads, which `Engine.load_heads` picks up:
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import statistics

@@ -4,7 +4,9 @@ A proposer is a frozen, hashable dataclass (static: it shapes the program) with 
 arrays (draft weights, caches) travel separately as `params` (built with it by its factory) and
 `pstate` (in the loop carry):
 
-- `paths`: the window it drafts, as tree paths; a chain of K is `((0,), (0, 0), ...)`.
+- `paths`: the window it drafts, as tree paths; a chain of K is `((0,), (0, 0), ...)`. A proposer
+  that builds its tree each step (the EAGLE-2 dynamic tree) gives `topology`, a
+  `specjax.tree.DynamicTopology` (its node budget), and `propose` returns a `tree.DraftTree`.
 - `init(params, state, inputs, hidden) -> pstate`: after the target prefill (inside jit), with the
   target's final hidden states at every prompt position `[B, P, D]`.
 - `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, N], q, pstate)`: q is the
@@ -21,7 +23,9 @@ params; a new method is its own module plus one entry there.
 
 from specjax.proposers.base import Proposer
 from specjax.proposers.draft_model import DraftModelProposer
+from specjax.proposers.eagle import EagleParams, EagleProposer
 from specjax.proposers.medusa import MedusaParams, MedusaProposer
 from specjax.proposers.ngram import NgramProposer
 
-__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams"]
+__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams",
+           "EagleProposer", "EagleParams"]
