@@ -167,16 +167,21 @@ class Engine:
             eng.load_eagle(eagle)
         return eng
 
+    def _shipped_or(self, path: str, find, none_is: str, kind_flag: str, flag: str) -> str:
+        """`path`, or for "default" the directory shipped for this model (`find(name)`)."""
+        if path != "default":
+            return path
+        found = find(self.name)
+        if found is None:
+            raise ValueError(f"{none_is} shipped for model {self.name!r}: train with `specjax train-heads "
+                             f"{kind_flag}--model {self.name} --out DIR` and pass {flag} DIR")
+        return found
+
     def load_eagle(self, path: str) -> None:
         """Loads an EAGLE head from a directory ("default": the one shipped for this model)."""
         from specjax.models import eagle_io
 
-        if path == "default":
-            found = eagle_io.shipped_eagle_dir(self.name)
-            if found is None:
-                raise ValueError(f"no EAGLE head is shipped for model {self.name!r}: train one with "
-                                 f"`specjax train-heads --kind eagle --model {self.name} --out DIR`, pass --eagle DIR")
-            path = found
+        path = self._shipped_or(path, eagle_io.shipped_eagle_dir, "no EAGLE head is", "--kind eagle ", "--eagle")
         head, ids, manifest = eagle_io.load_head(path, model_name=self.name, weights_id=self.weights_id)
         f = pathlib.Path(path) / "tuning.json"  # written by `specjax tune-heads --eagle`
         self.set_eagle(head, ids, manifest, tuning=json.loads(f.read_text()) if f.is_file() else None)
@@ -210,12 +215,7 @@ class Engine:
         """Loads Medusa heads from a directory ("default": the ones shipped for this model)."""
         from specjax.models import heads_io
 
-        if path == "default":
-            found = heads_io.shipped_heads_dir(self.name)
-            if found is None:
-                raise ValueError(f"no Medusa heads are shipped for model {self.name!r}: train some with "
-                                 f"`specjax train-heads --model {self.name} --out DIR` and pass --heads DIR")
-            path = found
+        path = self._shipped_or(path, heads_io.shipped_heads_dir, "no Medusa heads are", "", "--heads")
         heads, manifest = heads_io.load_heads(path, model_name=self.name, weights_id=self.weights_id)
         extra = {}
         for name in ("vocab", "tree"):  # optional, written by `specjax tune-heads`

@@ -246,3 +246,13 @@ def test_batch_must_split_over_devices(tiny_model, cycle, tmp_path):
     with pytest.raises(ValueError, match="multiple of the"):
         Trainer(HeadsConfig.for_model(tiny_model.config), tiny_model, cycle[0], None, tmp_path,
                 TrainConfig(steps=2, batch_size=jax.device_count() + 1, warmup=0))
+
+
+def test_default_heads_for_a_model_with_none_shipped_say_how_to_train_them(tiny_model):
+    from specjax import Engine
+
+    eng = Engine(tiny_model, name="tiny")
+    with pytest.raises(ValueError, match=r"no Medusa heads are shipped for model 'tiny'.*train-heads --model tiny"):
+        eng.load_heads("default")
+    with pytest.raises(ValueError, match=r"no EAGLE head is shipped for model 'tiny'.*--kind eagle --model tiny"):
+        eng.load_eagle("default")
