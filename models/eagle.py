@@ -66,10 +66,13 @@ class EagleConfig:
     @classmethod
     def for_model(cls, target: ModelConfig, **kw) -> "EagleConfig":
         """A head shaped like one layer of `target`; "fused" defaults to layers 2, L/2 and L-3."""
+        n = target.num_layers
         if kw.get("features") == "fused" and not kw.get("feature_layers"):
-            n = target.num_layers
             kw["feature_layers"] = tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)}))
-        kw["feature_layers"] = tuple(kw.get("feature_layers", ()))
+        kw["feature_layers"] = tuple(int(i) for i in kw.get("feature_layers", ()))
+        if any(not 0 <= i < n for i in kw["feature_layers"]) or len(set(kw["feature_layers"])) < len(kw["feature_layers"]):
+            raise ValueError(f"feature_layers={kw['feature_layers']}: give distinct layers of the target's "
+                             f"{n} (0..{n - 1})")
         kw.setdefault("draft_vocab", min(16384, target.vocab_size))
         layer = dataclasses.replace(target, name=f"{target.name}-eagle", num_layers=1)
         return cls(dim=target.dim, vocab_size=target.vocab_size, layer=layer, **kw)

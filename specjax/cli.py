@@ -329,7 +329,8 @@ def cmd_train_eagle(args) -> int:
         raise ValueError(f"--out {out} is a file; give a directory")
     if args.draft_vocab < 1:
         raise ValueError(f"--draft-vocab={args.draft_vocab}: must be >= 1")
-    EagleConfig(dim=1, vocab_size=args.draft_vocab, layer=_tiny_shape(), **eagle)  # features, layers
+    if args.features == "final" or layers:  # fused without layers: 2, L/2 and L-3 of the loaded model
+        EagleConfig(dim=1, vocab_size=args.draft_vocab, layer=_tiny_shape(), **eagle)  # features, layers
     if args.init is not None and not (pathlib.Path(args.init) / "manifest.json").is_file():
         raise ValueError(f"--init {args.init}: no EAGLE head there (manifest.json missing)")
     train_eagle(args.model, out, eagle=eagle, cfg=cfg, conversations=args.conversations,
@@ -468,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(eagle, default steps x batch size)")
     t.add_argument("--features", default="final", choices=["final", "fused"],
                    help="eagle: the target's final hidden state (EAGLE-1) or fused low/mid/high layers (EAGLE-3)")
-    t.add_argument("--feature-layers", default=None, help="eagle --features fused: layers, e.g. 2,15,27")
+    t.add_argument("--feature-layers", default=None, help="eagle --features fused: target layers whose input the head reads, e.g. 2,15,27 "
+                        "(default: 2, L/2 and L-3 of an L-layer target)")
     t.add_argument("--draft-vocab", type=int, default=16384, help="eagle: tokens the head may propose")
     t.add_argument("--seq-len", type=int, default=512, help="eagle: tokens per conversation")
     t.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps")

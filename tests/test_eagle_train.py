@@ -1,5 +1,6 @@
 """EAGLE heads: the training unroll equals the drafting path; training learns and resumes exactly."""
 
+import dataclasses
 import json
 import shutil
 
@@ -46,7 +47,12 @@ def test_unroll_equals_drafting_with_the_cache(config):
 
 def test_fused_features_read_the_residual_stream(tiny_model, tiny_config):
     cfg = EagleConfig.for_model(tiny_config, features="fused", draft_vocab=32)
-    assert cfg.feature_layers == (1,) or len(cfg.feature_layers) >= 2  # tiny has 2 layers
+    assert cfg.feature_layers == (0, 1)  # the default for tiny's 2 layers
+    thirty = dataclasses.replace(tiny_config, num_layers=30)
+    assert EagleConfig.for_model(thirty, features="fused", draft_vocab=32).feature_layers == (2, 15, 27)
+    for bad in ((0, 2), (1, 1), (-1, 0)):  # tiny has layers 0 and 1
+        with pytest.raises(ValueError, match="distinct layers of the target's 2"):
+            EagleConfig.for_model(tiny_config, features="fused", feature_layers=bad, draft_vocab=32)
     cfg = EagleConfig.for_model(tiny_config, features="fused", feature_layers=(0, 1), draft_vocab=32)
     from specjax.models import eagle
     from specjax.models.kv_cache import KVCache
@@ -178,3 +184,20 @@ def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model
     items = train.self_distilled_sequences(eng, 2, 4)
     assert [t.tolist() for t, _ in items] == [[1, 2, 7, 8], [3, 3, 3, 4]]
     assert [m.tolist() for _, m in items] == [[False, False, True, True], [False, False, False, True]]
+
+
+def test_cli_fused_features_default_their_layers_from_the_model(tmp_path, monkeypatch):
+    """Without --feature-layers, `--features fused` passes the checks and takes 2, L/2, L-3 of the
+    loaded model (EagleConfig.for_model), so the run reaches the model load."""
+    from specjax import cli
+    from specjax.engine import Engine
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(Engine, "load", load)
+    with pytest.raises(Loaded):
+        cli.main(["train-heads", "--kind", "eagle", "--features", "fused", "--out", str(tmp_path)])
