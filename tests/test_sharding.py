@@ -463,8 +463,6 @@ def test_cli_mesh_and_distributed_flags(monkeypatch, capsys):
 def test_ties_across_vocab_shards_pick_what_one_device_picks():
     """Equal maxima in different vocabulary shards: argmax and the mesh's iterated-argmax top-k take
     the lowest id first, as `lax.top_k` and argmax do on one device."""
-    from specjax.proposers.medusa import _top_ids
-
     logits = np.zeros((8, 3, 64), np.float32)
     logits[:, :, [5, 13, 40, 63]] = 2.0  # ties spread over the 8 shards of 8 ids
     logits[:, 1, 30] = 3.0
@@ -472,6 +470,6 @@ def test_ties_across_vocab_shards_pick_what_one_device_picks():
     mesh = sharding.make_mesh(data=1, model=8)
     x = sharding.put(logits, NamedSharding(mesh, P(None, None, "model")))
     with sharding.use(mesh):
-        got = jax.jit(lambda z: (_top_ids(z, 4), jnp.argmax(z, axis=-1)))(x)
+        got = jax.jit(lambda z: (sharding.top_k(z, 4)[1], jnp.argmax(z, axis=-1)))(x)
     np.testing.assert_array_equal(np.asarray(got[0]), want)
     np.testing.assert_array_equal(np.asarray(got[1]), want[..., 0])

@@ -141,7 +141,7 @@ class MedusaProposer:
     def propose(self, params: MedusaParams, hidden, state: DecodeState, sampling_config, keys):
         logits = self.head_logits(params, hidden, last_tokens(state))
         paths = self.paths
-        top = _top_ids(logits, 1 + max(p[-1] for p in paths))  # [B, M, R]
+        _, top = sharding.top_k(logits, 1 + max(p[-1] for p in paths))  # [B, M, R]; no batch gather on a mesh
         if params.ids is not None:
             top = params.ids[top]  # subset index -> token id
         head = np.asarray([len(p) - 1 for p in paths])
@@ -152,12 +152,3 @@ class MedusaProposer:
         """Keeps the hidden state at the accepted leaf's window slot."""
         return jnp.take_along_axis(verify.hidden, accepted.leaf[:, None, None], axis=1)[:, 0]
 
-
-def _top_ids(logits: Float[Array, "B M V"], r: int) -> Int[Array, "B M R"]:
-    """The ids of the r largest logits, best first (ties: lowest id first, like `lax.top_k`).
-
-    On a mesh, `lax.top_k` would gather the whole batch onto every device, so there it is r rounds
-    of argmax-then-mask instead: vocab-parallel, each round exchanging only per-shard (max, index)
-    pairs. Without a mesh it is `lax.top_k`, as ever.
-    """
-    return sharding.top_k(logits, r)[1]
