@@ -29,7 +29,7 @@ run-ops: $(VENV)/.base
 	    --prompts-file ../shared/data/ops-dev.jsonl --per-task 4 $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 -rs $(ARGS)
 
 bench: $(VENV)/.test
 	$(VENV)/bin/specjax bench $(ARGS)
