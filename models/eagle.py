@@ -43,6 +43,12 @@ class EagleConfig:
       feature_layers: target layers whose input the "fused" head reads.
       draft_vocab: tokens the head may propose (the most frequent in the training data).
       layer: the decoder layer's shape (heads, kv heads, ffn) = the target's by default.
+      input_norm: RMSNorm the feature and the token embedding separately (each with its own learned
+        scale) before `fc`, and each fused tap before `fuse` (EAGLE-3, SpecForge). Off for heads saved
+        before the flag existed, which load and behave as they did.
+      rest_class: the head also scores "a token outside the draft vocabulary" (one more LM-head row,
+        learned), so training can match the target's whole distribution: KL over the draft vocabulary
+        plus the rest-of-vocabulary mass. Drafting never proposes it.
     """
 
     dim: int
@@ -52,6 +58,8 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()
     draft_vocab: int = 16384
     dtype: str = "float32"
+    input_norm: bool = False
+    rest_class: bool = False
 
     def __post_init__(self):
         if self.features not in FEATURES:
@@ -129,6 +137,13 @@ class EagleHead(nnx.Module):
             self.fuse = nnx.Param(jax.random.normal(rngs.params(), (f, d), wd) * f**-0.5, axes=("features", "embed"))
         self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), wd) * (2 * d) ** -0.5,
                             axes=("features", "embed"))
+        if config.input_norm:
+            self.feature_norm = llama.RMSNorm(d, c.norm_eps, wd)
+            self.embed_norm = llama.RMSNorm(d, c.norm_eps, wd)
+            if config.num_features > 1:  # one learned scale per tap, [F, D]
+                self.tap_scale = nnx.Param(jnp.ones((config.num_features, d), wd), axes=(None, "embed"))
+        if config.rest_class:
+            self.rest = nnx.Param(jnp.zeros((d,), wd), axes=("embed",))
         self.attn_norm = llama.RMSNorm(d, c.norm_eps, wd)
         self.attn = llama.Attention(c, rngs)
         self.mlp_norm = llama.RMSNorm(d, c.norm_eps, wd)
@@ -141,10 +156,17 @@ class EagleHead(nnx.Module):
         dt = self.config.layer.compute_dtype
         if self.config.num_features == 1:
             return features.astype(dt)
+        if self.config.input_norm:  # each tap to rms 1 times its own scale (their raw scales differ ~8x)
+            f, d = self.config.num_features, self.config.dim
+            x = features.astype(jnp.float32).reshape(features.shape[:-1] + (f, d))
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.config.layer.norm_eps)
+            features = (x * self.tap_scale[...].astype(jnp.float32)).reshape(features.shape)
         return features.astype(dt) @ self.fuse[...].astype(dt)
 
     def _input(self, feature, emb):
         dt = self.config.layer.compute_dtype
+        if self.config.input_norm:
+            feature, emb = self.feature_norm(feature), self.embed_norm(emb)
         return jnp.concatenate([feature.astype(dt), emb.astype(dt)], axis=-1) @ self.fc[...].astype(dt)
 
     def logits(self, out: Float[Array, "... D"], weight: Float[Array, "Vd D"]) -> Float[Array, "... Vd"]:
@@ -154,6 +176,11 @@ class EagleHead(nnx.Module):
         7.7 with the norm; the two runs also differed in learning rate, 3e-3 and 2e-3)."""
         h = self.norm(out)
         return jnp.einsum("...D,VD->...V", h, weight.astype(h.dtype))
+
+    def rest_logit(self, out: Float[Array, "... D"]) -> Float[Array, "..."]:
+        """The logit of "a token outside the draft vocabulary" (`rest_class` heads), beside `logits`."""
+        h = self.norm(out)
+        return jnp.einsum("...D,D->...", h, self.rest[...].astype(h.dtype))
 
     def cache(self, batch: int, length: int) -> KVCache:
         return KVCache.zeros(self.config.layer, batch, length)

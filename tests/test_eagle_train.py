@@ -131,8 +131,8 @@ def test_data_parallel_over_two_devices(tiny_model, config, tmp_path):
     data, held = copy_task(16, 16, 0), copy_task(4, 16, 1)
     ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
     tr = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path, small_cfg(steps=3))
-    tokens, _ = tr._batch(data, np.arange(4))
-    assert len(tokens.sharding.device_set) == 2
+    batch, _ = tr._batch(data, np.arange(4))
+    assert len(batch["tokens"].sharding.device_set) == 2
     tr.fit(progress=False)
     with pytest.raises(ValueError, match="divide"):
         train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "x", small_cfg(batch_size=3))

@@ -9,6 +9,7 @@ before it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -29,6 +30,15 @@ def _identity(run: dict | None) -> dict | None:
     if not isinstance(run, dict) or not isinstance(run.get("train"), dict):
         return run
     return dict(run, train={k: v for k, v in run["train"].items() if k not in _BOOKKEEPING})
+
+
+class NonFiniteLoss(ValueError):
+    """The training loss became NaN or infinite; the run stopped without saving that step."""
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape) for path, leaf in flat}
 
 
 class TrainCheckpoints:
@@ -53,12 +63,14 @@ class TrainCheckpoints:
     def restore(self, abstract_state: dict, run: dict) -> tuple[int, dict, dict] | None:
         """(step, state, meta) of the newest readable checkpoint, or None if there is none.
 
-        A newest step that cannot be read (a crash mid-write that left files behind, a damaged
-        disk) is renamed to `<step>.corrupt` and the previous one is used; if none can be read,
-        ValueError says so.
+        A checkpoint of another run (other array shapes, or other settings) is refused with a
+        ValueError before anything is read into the run or touched on disk. A newest step that cannot
+        be read (a crash mid-write that left files behind, a damaged disk) is renamed to
+        `<step>.corrupt` and the previous one is used; if none can be read, ValueError says so.
         """
         steps = sorted(self.manager.all_steps(), reverse=True)
         for step in steps:
+            self._refuse_another_run(step, abstract_state, run)
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -76,6 +88,32 @@ class TrainCheckpoints:
             raise ValueError(f"no readable checkpoint in {self.directory} (tried steps {steps}); "
                              "delete the directory to start over")
         return None
+
+    def _refuse_another_run(self, step: int, abstract_state: dict, run: dict) -> None:
+        """ValueError if checkpoint `step` is readable enough to tell that it belongs to another run."""
+        try:
+            tree = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state").tree
+            theirs = _shapes(tree)
+        except Exception:  # unreadable: `restore` sets it aside
+            return
+        ours = _shapes(abstract_state)
+        if theirs != ours:
+            diff = [f"{k}: {ours.get(k, 'absent')} here, {theirs.get(k, 'absent')} in the checkpoint"
+                    for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+            more = f"; {len(diff) - 3} more" if len(diff) > 3 else ""
+            raise ValueError(f"{self.directory.parent} holds a run with other shapes ({'; '.join(diff[:3])}{more}); "
+                             "choose another --out or pass --init")
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:
+            return
+        if _identity(meta.get("run")) != _identity(run):
+            raise ValueError(
+                f"{self.directory} holds checkpoints of another run (settings {meta.get('run')}, "
+                f"this run {run}); use another --out directory or the same settings")
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
 
     def _set_aside(self, step: int) -> None:
         src = self.directory / str(step)
@@ -95,7 +133,9 @@ class ResumableRun:
     append metrics to `out/metrics.jsonl`.
 
     A subclass sets `params`, `opt_state`, `step`, `elapsed` (training seconds), `run` (the settings
-    a resumed run must match), `ckpts` (`TrainCheckpoints`) and `out`.
+    a resumed run must match), `ckpts` (`TrainCheckpoints`) and `out`, and may set `loader` (an
+    object with `state()` and `restore(state)`, e.g. `specjax.train_heads.cache.EpochLoader`),
+    whose position is saved in every checkpoint and restored with it.
     """
 
     params: dict
@@ -120,12 +160,26 @@ class ResumableRun:
             self.step, state, meta = found
             self.params, self.opt_state = state["params"], state["opt_state"]
             self.elapsed = float(meta.get("elapsed_s", meta.get("elapsed", 0.0)))  # "elapsed": older EAGLE runs
+            if getattr(self, "loader", None) is not None:
+                self.loader.restore(meta.get("loader") or self.loader.state_at(self.step))
         self._trim_metrics()
         return self.step
 
     def save(self) -> None:
-        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state),
-                        dict(run=self.run, step=self.step, elapsed_s=self.elapsed))
+        meta = dict(run=self.run, step=self.step, elapsed_s=self.elapsed)
+        if getattr(self, "loader", None) is not None:
+            meta["loader"] = self.loader.state()
+        self.ckpts.save(self.step, dict(params=self.params, opt_state=self.opt_state), meta)
+
+    def check_finite(self, loss: float, step: int) -> None:
+        """Raises `NonFiniteLoss` naming `step` (1-based) when `loss` is NaN or infinite; nothing is saved,
+        so the newest checkpoint is the last good one."""
+        if not math.isfinite(loss):
+            last = self.ckpts.latest_step()
+            kept = f"the last good checkpoint, step {last}, is kept in {self.ckpts.directory}" if last is not None \
+                else "no checkpoint was saved before it"
+            raise NonFiniteLoss(f"training loss is {loss} at step {step}: stopped without saving it; {kept}. "
+                                "Lower --lr or check the data, then run again to resume from the checkpoint")
 
     def _trim_metrics(self) -> None:
         # Lines past the restored step were written by the killed run; the resumed one rewrites them.
