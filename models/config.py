@@ -35,6 +35,9 @@ class ModelConfig:
     max_seq_len: int = 8192
     dtype: str = "float32"  # compute dtype: fp32 on CPU, bf16 for GPU/TPU
     param_dtype: str = "float32"
+    # how projection weights are stored: "kn" w[K, N], or "nk" w[N, K] (CPU, the few-row kernel);
+    # chosen at load time by `specjax.models.linear.preferred_layout`, see that module
+    weight_layout: str = "kn"
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
@@ -49,6 +52,8 @@ class ModelConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{f}={getattr(self, f)!r}: use 'float32', 'bfloat16' or 'float16'")
+        if self.weight_layout not in ("kn", "nk"):
+            raise ValueError(f"weight_layout={self.weight_layout!r}: use 'kn' (w[K, N]) or 'nk' (w[N, K])")
 
     @property
     def groups(self) -> int:

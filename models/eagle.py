@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.models import llama
+from specjax.models import linear, llama
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 
@@ -117,7 +117,8 @@ def lm_rows(target: llama.Llama, ids: Int[Array, "Vd"]) -> Float[Array, "Vd D"]:
     """The target's LM head restricted to the draft vocabulary, as rows `[Vd, D]` (tied or not)."""
     if target.config.tie_embeddings:
         return jnp.take(target.embed[...], ids, axis=0)
-    return jnp.take(target.lm_head[...], ids, axis=1).T
+    rows = linear.as_rows(target.lm_head[...], target.config.weight_layout)  # [V, D] in either layout
+    return jnp.take(rows, ids, axis=0)
 
 
 def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T FD"]:

@@ -113,4 +113,5 @@ def base_head(base: Llama) -> Float[Array, "D V"]:
     """The base model's LM head as a [D, V] matrix (the tied embedding, transposed)."""
     if base.config.tie_embeddings:
         return base.embed[...].T
-    return base.lm_head[...]
+    w = base.lm_head[...]
+    return w.T if getattr(base.config, "weight_layout", "kn") == "nk" else w  # stored [V, D] on CPU

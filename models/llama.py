@@ -18,7 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sharding
-from specjax.models import kv_cache
+from specjax.models import kv_cache, linear
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 
@@ -36,6 +36,15 @@ def _param(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...] | N
     if axes is not None:
         meta["axes"] = axes
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, **meta)
+
+
+def _dense_param(rngs: nnx.Rngs, k: int, n: int, config: ModelConfig, scale: float, axes: tuple[str, str],
+                 **meta) -> nnx.Param:
+    """A random `K -> N` projection weight stored in `config.weight_layout` (`specjax.models.linear`):
+    drawn as [K, N] either way, so both layouts of one seed hold the same model. `axes`: (K's, N's)."""
+    w = jax.random.normal(rngs.params(), (k, n), config.weight_dtype) * scale
+    layout = config.weight_layout
+    return nnx.Param(linear.to_layout(w, layout), axes=linear.axes(*axes, layout), dense_layout=layout, **meta)
 
 
 class RMSNorm(nnx.Module):
@@ -68,11 +77,11 @@ class Attention(nnx.Module):
         self.config = config
         s = c.dim**-0.5
         kv = dict(kv_heads=c.num_kv_heads)  # head dims shard only when the kv heads divide tp
-        self.wq = _param(rngs, (c.dim, c.num_heads * c.head_dim), wd, s, ("embed", "q_heads"), **kv)
-        self.wk = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s, ("embed", "kv_heads"), **kv)
-        self.wv = _param(rngs, (c.dim, c.num_kv_heads * c.head_dim), wd, s, ("embed", "kv_heads"), **kv)
-        self.wo = _param(rngs, (c.num_heads * c.head_dim, c.dim), wd, (c.num_heads * c.head_dim) ** -0.5,
-                         ("q_heads", "embed"), **kv)
+        self.wq = _dense_param(rngs, c.dim, c.num_heads * c.head_dim, c, s, ("embed", "q_heads"), **kv)
+        self.wk = _dense_param(rngs, c.dim, c.num_kv_heads * c.head_dim, c, s, ("embed", "kv_heads"), **kv)
+        self.wv = _dense_param(rngs, c.dim, c.num_kv_heads * c.head_dim, c, s, ("embed", "kv_heads"), **kv)
+        self.wo = _dense_param(rngs, c.num_heads * c.head_dim, c.dim, c, (c.num_heads * c.head_dim) ** -0.5,
+                               ("q_heads", "embed"), **kv)
         if c.qkv_bias:
             self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), wd), axes=("q_heads",), **kv)
             self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd), axes=("kv_heads",), **kv)
@@ -80,7 +89,7 @@ class Attention(nnx.Module):
 
     def _proj(self, x, name: str):
         dt = self.config.compute_dtype
-        y = x @ getattr(self, "w" + name)[...].astype(dt)
+        y = linear.dense(x, getattr(self, "w" + name)[...].astype(dt), self.config.weight_layout)
         if self.config.qkv_bias and name != "o":
             y = y + getattr(self, "b" + name)[...].astype(dt)[None, None, :]
         return y
@@ -116,15 +125,17 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, wd = config, config.weight_dtype
         self.dtype = c.compute_dtype
-        self.w_gate = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5, ("embed", "ffn"))
-        self.w_up = _param(rngs, (c.dim, c.ffn_dim), wd, c.dim**-0.5, ("embed", "ffn"))
-        self.w_down = _param(rngs, (c.ffn_dim, c.dim), wd, c.ffn_dim**-0.5, ("ffn", "embed"))
+        self.layout = c.weight_layout
+        self.w_gate = _dense_param(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
+        self.w_up = _dense_param(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
+        self.w_down = _dense_param(rngs, c.ffn_dim, c.dim, c, c.ffn_dim**-0.5, ("ffn", "embed"))
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         dt = self.dtype
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        gate = linear.dense(x, self.w_gate[...].astype(dt), self.layout)
+        h = jax.nn.silu(gate) * linear.dense(x, self.w_up[...].astype(dt), self.layout)
         h = sharding.constrain(h, ("batch", None, "ffn"))
-        return h @ self.w_down[...].astype(dt)
+        return linear.dense(h, self.w_down[...].astype(dt), self.layout)
 
 
 class Block(nnx.Module):
@@ -151,7 +162,8 @@ class Llama(nnx.Module):
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.dim, config.norm_eps, wd)
         if not config.tie_embeddings:
-            self.lm_head = _param(rngs, (config.dim, config.vocab_size), wd, config.dim**-0.5, ("embed", "vocab"))
+            self.lm_head = _dense_param(rngs, config.dim, config.vocab_size, config, config.dim**-0.5,
+                                        ("embed", "vocab"))
 
     def hidden_states(
         self,
@@ -193,12 +205,12 @@ class Llama(nnx.Module):
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs)), tuple(tapped[i] for i in taps)
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
-        """LM head: the tied embedding (`...D,VD->...V`) or an own projection."""
+        """LM head: the tied embedding (`[V, D]`, the "nk" layout) or an own projection."""
         dt = self.config.compute_dtype
         if self.config.tie_embeddings:
-            out = jnp.einsum("...D,VD->...V", hidden, self.embed[...].astype(dt))
+            out = linear.dense(hidden, self.embed[...].astype(dt), "nk")
         else:
-            out = hidden @ self.lm_head[...].astype(dt)
+            out = linear.dense(hidden, self.lm_head[...].astype(dt), self.config.weight_layout)
         return sharding.constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
 
     def __call__(self, tokens, positions, cache, *, start=None, window_mask=None,

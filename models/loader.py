@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import gguf_loader, hf_loader
+from specjax.models import gguf_loader, hf_loader, linear
 from specjax.models.config import PRESETS, ModelConfig
 from specjax.models.llama import Llama
 
@@ -33,7 +33,10 @@ def init_model(config: ModelConfig, seed: int = 0) -> Llama:
 
 
 def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
-    """Builds a `Llama` whose parameters are `weights` ({"layers.0.attn.wq": array, ...})."""
+    """Builds a `Llama` whose parameters are `weights` ({"layers.0.attn.wq": array, ...}).
+
+    Projection weights come as `[K, N]` (`x @ w`) and are stored in `config.weight_layout`
+    (`specjax.models.linear`); shapes are checked in the `[K, N]` form."""
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -45,8 +48,12 @@ def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> L
     for key, path in expected.items():
         want = flat[path]
         w = weights[key]
-        if tuple(w.shape) != tuple(want.shape):
-            raise ValueError(f"parameter {key}: checkpoint shape {w.shape}, model expects {want.shape}")
+        layout = want.get_metadata().get("dense_layout")
+        expect = tuple(want.shape) if layout in (None, "kn") else tuple(want.shape)[::-1]
+        if tuple(w.shape) != expect:
+            raise ValueError(f"parameter {key}: checkpoint shape {w.shape}, model expects {expect}")
+        if layout is not None:
+            w = linear.to_layout(w, layout)  # HF/GGUF's [N, K] comes back as it was stored: no copy
         leaves.append((path, want.replace(jnp.asarray(w, dtype=config.weight_dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
@@ -66,7 +73,7 @@ def _weights_id(path: pathlib.Path) -> str:
 
 
 def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         progress: bool = False) -> LoadedModel:
+         progress: bool = False, weight_layout: str | None = None) -> LoadedModel:
     """Loads weights and tokenizer.
 
     Args:
@@ -75,13 +82,16 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
       dtype: compute dtype; float32 (default, fast on CPU) or bfloat16 (GPU/TPU).
       param_dtype: storage dtype of the weights; defaults to `dtype`.
       progress: show a progress bar while dequantizing.
+      weight_layout: how projection weights are stored ("kn" or "nk"); by default the faster one
+        for this backend and dtype (`specjax.models.linear.preferred_layout`). Outputs do not change.
     """
     from specjax.models import registry
     from specjax.models.tokenizer import Tokenizer
 
     path = registry.resolve(name_or_path)
     name = name_or_path if name_or_path in PRESETS else path.stem
-    over = dict(dtype=dtype, param_dtype=param_dtype or dtype)
+    over = dict(dtype=dtype, param_dtype=param_dtype or dtype,
+                weight_layout=linear.check_layout(weight_layout or linear.preferred_layout(dtype=dtype)))
     if path.is_dir():
         config = hf_loader.config_from_hf(path, name=name, **over)
         weights = hf_loader.weights_from_hf(path, config)

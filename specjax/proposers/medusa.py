@@ -31,7 +31,7 @@ from specjax.state import DecodeState, last_tokens
 class MedusaParams:
     """The arrays a Medusa proposer reads.
 
-    `lm_head` is the base LM head (`[V, D]` when tied, else `[D, V]`), or only its rows for a subset
+    `lm_head` is the base LM head (`[V, D]` when tied or stored "nk", else `[D, V]`), or only its rows for a subset
     of frequent tokens (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for
     the full vocabulary). Projecting onto the few thousand tokens that make up nearly all generated
     text cuts the heads' cost several-fold; a token outside the subset is simply never proposed,
@@ -61,7 +61,8 @@ class MedusaProposer:
     Attributes:
       k: chain length, or the tree's depth; at most the number of heads.
       graphdef: the heads' `nnx.GraphDef`.
-      tied: the base LM head weight is the embedding `[V, D]` (else an own `[D, V]` head).
+      tied: the base LM head weight is held as `[V, D]` rows: the embedding, or an own head stored
+        in the "nk" layout (`specjax.models.linear`); else an own `[D, V]` head.
       tree: static candidate tree, or None for a chain of k.
     """
 
@@ -94,8 +95,8 @@ class MedusaProposer:
             limit = tc.vocab_size if ids is None else len(ids)
             if ranks > limit:
                 raise ValueError(f"tree uses rank {ranks - 1}, beyond the {limit} tokens the heads can propose")
-        tied = tc.tie_embeddings
-        weight = target.embed[...] if tied else target.lm_head[...]
+        tied = tc.tie_embeddings or tc.weight_layout == "nk"  # the LM head stored as [V, D] rows
+        weight = target.embed[...] if tc.tie_embeddings else target.lm_head[...]
         if ids is not None:
             weight = weight[ids] if tied else weight[:, ids]
         graphdef, params = nnx.split(heads)

@@ -1,0 +1,232 @@
+"""The model's dense products in one place: weight layout, and the few-row CPU kernel.
+
+A projection `x[..., K] -> y[..., N]` stores its weight in one of two layouts, a load-time decision
+recorded in `ModelConfig.weight_layout`:
+  "kn": `w[K, N]`, `y = x @ w` (what the accelerators' GEMMs like; the default).
+  "nk": `w[N, K]` (each output's weights contiguous; also how HF and GGUF store them), used on CPU
+        where it feeds `specjax_dense_nk`, a small C++ kernel behind `jax.ffi` that streams each
+        weight row once for all M rows of a verify window. XLA:CPU's own GEMM packs the weight on
+        every call, so a 5-row product cost 2-4x a 1-row one although both read the same bytes
+        (docs/BENCHMARKS.md, "The verify window on CPU").
+
+`dense` is the one product every projection of the model goes through. The kernel is built with the
+machine's C++ compiler on first use (cached per machine under `~/.cache/specjax/kernels`; build it
+ahead with `python -m specjax.models.linear`) and used only where it applies: a CPU backend, fp32, no
+mesh in context, at most `KERNEL_MAX_ROWS` rows. Everywhere else, and when it cannot be built (no
+compiler: the reason is logged once) or `SPECJAX_DENSE_KERNEL=0`, the same product is XLA's dot.
+Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+LAYOUTS = ("kn", "nk")
+KERNEL_MAX_ROWS = 32  # above this a verify/prefill product is compute-bound: XLA's GEMM does better
+_SOURCE = pathlib.Path(__file__).with_name("dense_nk.cc")
+_TARGET = "specjax_dense_nk"
+_log = logging.getLogger(__name__)
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight_layout={layout!r}: use 'kn' (w[K, N]) or 'nk' (w[N, K])")
+    return layout
+
+
+def shape(k: int, n: int, layout: str) -> tuple[int, int]:
+    """The stored shape of a `K -> N` projection's weight."""
+    return (k, n) if check_layout(layout) == "kn" else (n, k)
+
+
+def axes(k_axis, n_axis, layout: str) -> tuple:
+    """Its logical axes (`specjax.sharding.RULES`), in stored order."""
+    return (k_axis, n_axis) if check_layout(layout) == "kn" else (n_axis, k_axis)
+
+
+def to_layout(w, layout: str):
+    """A `[K, N]` weight (the loaders' canonical form) as stored in `layout` (a view where it can be)."""
+    return w if check_layout(layout) == "kn" else w.T
+
+
+def as_rows(w, layout: str):
+    """A stored weight as `[N, K]` rows (an LM head's token rows), whatever the layout."""
+    return w.T if check_layout(layout) == "kn" else w
+
+
+def preferred_layout(backend: str | None = None, dtype: str = "float32") -> str:
+    """The layout a model loaded now should store: "nk" for fp32 on CPU when the kernel is
+    available, "kn" elsewhere (GPU/TPU GEMMs, and XLA:CPU's own dot, which measured no faster on
+    `[N, K]`)."""
+    backend = backend or jax.default_backend()
+    return "nk" if backend == "cpu" and str(dtype) == "float32" and kernel_available() else "kn"
+
+
+# ---- the product ----------------------------------------------------------------------------------
+
+
+def dense(x, w, layout: str):
+    """`x[..., K]` times a stored weight (`w[K, N]` for "kn", `w[N, K]` for "nk") -> `[..., N]`."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if w.ndim != 2 or w.shape[0 if check_layout(layout) == "kn" else 1] != k:
+        raise ValueError(f"dense: x {tuple(x.shape)} and a {layout!r} weight {tuple(w.shape)} do not "
+                         f"contract (K={k}; 'kn' stores [K, N], 'nk' stores [N, K])")
+    if layout == "kn":
+        return x @ w
+    n = w.shape[0]
+    m = 1
+    for d in lead:
+        m *= d
+    if _use_kernel(m, x, w):
+        return _kernel_product(x.reshape(m, k), w).reshape(*lead, n)
+    return jnp.einsum("...k,nk->...n", x, w)
+
+
+def _use_kernel(m: int, x, w) -> bool:
+    if not 0 < m <= KERNEL_MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return False
+    from specjax import sharding  # a mesh partitions XLA's dot; a custom call it could only gather
+
+    return jax.default_backend() == "cpu" and not sharding.active() and kernel_available()
+
+
+@jax.custom_vjp
+def _kernel_product(x, w):
+    return dense_nk_kernel(x, w)
+
+
+def _kernel_fwd(x, w):
+    return dense_nk_kernel(x, w), (x, w)
+
+
+def _kernel_bwd(res, dy):
+    x, w = res
+    return dy @ w, dy.T @ x
+
+
+_kernel_product.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def dense_nk_kernel(x, w):
+    """`x[M, K] @ w[N, K].T` through the C++ kernel (fp32, CPU); raises if it is not available."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"specjax_dense_nk: needs x [M, K] and w [N, K] with the same K; got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"specjax_dense_nk: fp32 only; got x {x.dtype} and w {w.dtype} "
+                         "(cast them, or use dense(), which falls back to XLA's dot)")
+    if not kernel_available():
+        raise RuntimeError(f"specjax_dense_nk is not available: {kernel_status()}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x, w)
+
+
+# ---- building and registering the kernel -----------------------------------------------------------
+
+_STATUS: dict[str, str] = {}
+
+
+def _disabled() -> bool:
+    return os.environ.get("SPECJAX_DENSE_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("SPECJAX_KERNEL_CACHE")
+    if root:
+        return pathlib.Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "specjax" / "kernels"
+
+
+def _machine_tag() -> str:
+    """The source, the compiler, jax's FFI headers and this CPU's features: a build is -march=native."""
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(f"{platform.machine()} {jax.__version__} {_compiler() or ''}".encode())
+    try:
+        flags = [ln for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith(("flags", "Features", "model name"))][:3]
+        h.update("\n".join(flags).encode())
+    except OSError:
+        pass
+    return h.hexdigest()[:16]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build(force: bool = False) -> pathlib.Path:
+    """Compiles the kernel for this machine (cached); returns the shared library's path.
+
+    Raises:
+      RuntimeError: no C++ compiler, or it failed (its message included).
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    out = _cache_dir() / f"dense_nk-{_machine_tag()}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = pathlib.Path(tmp) / out.name
+        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+               str(_SOURCE), "-o", str(tmp_out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 and march:  # a compiler without -march/-mcpu=native: the portable build
+            cmd = [c for c in cmd if c not in march]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{res.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders each install a complete library
+    return out
+
+
+@functools.cache
+def _register() -> bool:
+    if _disabled():
+        _STATUS["reason"] = "disabled by SPECJAX_DENSE_KERNEL=0"
+        return False
+    try:
+        import ctypes
+
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _TARGET)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
+        _STATUS["reason"] = f"{type(e).__name__}: {e}"
+        _log.warning("specjax: the CPU dense kernel is unavailable, using XLA's dot (%s)", _STATUS["reason"])
+        return False
+    _STATUS["reason"] = "built and registered"
+    return True
+
+
+def kernel_available() -> bool:
+    """Whether `specjax_dense_nk` is built and registered (builds it on the first call)."""
+    return not _disabled() and _register()
+
+
+def kernel_status() -> str:
+    """Why the kernel is or is not in use, in words."""
+    kernel_available()
+    return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("reason", "not built")
+
+
+if __name__ == "__main__":  # python -m specjax.models.linear: build ahead (e.g. right after install)
+    try:
+        print(build(force="--force" in sys.argv))
+    except RuntimeError as e:
+        print(f"not built ({e}); specjax will use XLA's dot", file=sys.stderr)
+        sys.exit(1)
