@@ -104,13 +104,14 @@ class Inputs:
     stop_ids: Int[Array, "B E"]  # padded with -1
     keys: Array  # [B] PRNG keys
     contribute: Bool[Array, "B"]  # the row's text may enter a cross-request n-gram table
+    tenant: Int[Array, "B"] | None = None  # the row's scope of that table (see specjax.ngram_table)
 
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, bucket: int | None = None,
                batch_size: int | None = None, max_new_tokens: int | Sequence[int] = 128,
                temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (),
                seed: int | Sequence[int] = 0, row_ids: Sequence[int] | None = None,
-               contribute: bool | Sequence[bool] = True) -> "Inputs":
+               contribute: bool | Sequence[bool] = True, tenant: int | Sequence[int] = 0) -> "Inputs":
         """Pads token-id prompts into a batch.
 
         Args:
@@ -124,6 +125,7 @@ class Inputs:
             0..B-1. Give each row its global index (or request id) so that no two rows of any
             batch share a random stream.
           contribute: whether each row's text may enter a cross-request n-gram table.
+          tenant: each row's scope of that table: a row reads only what rows of its tenant wrote.
         """
         n = len(prompts)
         if n == 0:
@@ -141,7 +143,7 @@ class Inputs:
             raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
         per_row = {name: _per_row(v, n, name) for name, v in
                    dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, contribute=contribute).items()}
+                        top_p=top_p, contribute=contribute, tenant=tenant).items()}
         for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
             sampling.validate(t, k, tp)
         if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
@@ -164,7 +166,8 @@ class Inputs:
                                     top_k=jnp.asarray(fill("top_k", 0), jnp.int32),
                                     top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
             stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]),
-            contribute=jnp.asarray(fill("contribute", False), bool))
+            contribute=jnp.asarray(fill("contribute", False), bool),
+            tenant=jnp.asarray(fill("tenant", 0), jnp.int32))
 
     @property
     def batch_size(self) -> int:
@@ -309,7 +312,7 @@ class Decoder:
             done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
             keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32),
             table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table),
-            contribute=inputs.contribute)
+            contribute=inputs.contribute, tenant=inputs.tenant)
         first = sampling.sample(self.sampling, step_keys(state), logits, inputs.sampling)
         state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
         return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)

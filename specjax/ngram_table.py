@@ -14,6 +14,11 @@ n-grams ending at p - width. Writes are resolved deterministically when one step
 twice (the later position wins, then the higher row), so the table is a function of the committed
 text alone. Rows whose request opted out (`contribute` false) never write.
 
+Tenancy: each row carries a tenant id (0 when none is given). An entry records the tenant that
+wrote it (`owner`), the slot hash is salted with it, and a row reads only entries of its own
+tenant: one tenant's text is never proposed to another. A server that means to share the table
+gives every row the same tenant.
+
 Drafts read from the table are a function of committed text (this row's and other rows'), never of
 this step's randomness, so greedy output stays identical to plain decoding and sampling stays
 lossless with the one-hot rule, whatever the table holds (collisions and eviction included).
@@ -29,6 +34,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Int
 
 _MULT = np.uint32(0x9E3779B1)  # Knuth's multiplicative constant (golden ratio * 2^32)
+_SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over the slots
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,19 +56,21 @@ class TableConfig:
 
     @property
     def nbytes(self) -> int:
-        return self.size * (self.max_n + self.width) * 4
+        return self.size * (self.max_n + self.width + 1) * 4
 
 
 @struct.dataclass
 class NgramTable:
     keys: Int[Array, "T N"]  # the n-gram, left-padded with -1; all -1 = empty
     follow: Int[Array, "T W"]  # the tokens that followed it
+    owner: Int[Array, "T"] | None = None  # the tenant that wrote it (None: tenant 0 everywhere)
     min_n: int = struct.field(pytree_node=False, default=2)
 
     @classmethod
     def empty(cls, config: TableConfig) -> "NgramTable":
         return cls(keys=jnp.full((config.size, config.max_n), -1, jnp.int32),
-                   follow=jnp.zeros((config.size, config.width), jnp.int32), min_n=config.min_n)
+                   follow=jnp.zeros((config.size, config.width), jnp.int32),
+                   owner=jnp.zeros((config.size,), jnp.int32), min_n=config.min_n)
 
     @property
     def size(self) -> int:
@@ -77,9 +85,11 @@ class NgramTable:
         return self.follow.shape[1]
 
 
-def _slot(grams: Int[Array, "... N"], n: int, size: int) -> Int[Array, "..."]:
-    """Hash of the last n tokens of each gram (and of n) to a slot."""
+def _slot(grams: Int[Array, "... N"], n: int, size: int, tenant=None) -> Int[Array, "..."]:
+    """Hash of the last n tokens of each gram (and of n, and of the tenant) to a slot."""
     h = jnp.full(grams.shape[:-1], np.uint32((n * int(_MULT)) % (1 << 32)), jnp.uint32)
+    if tenant is not None:  # tenant 0 hashes as no tenant
+        h = h ^ (jnp.broadcast_to(tenant, h.shape).astype(jnp.uint32) * _SALT)
     for i in range(grams.shape[-1] - n, grams.shape[-1]):
         h = (h ^ grams[..., i].astype(jnp.uint32)) * _MULT
     return ((h >> 7) % np.uint32(size)).astype(jnp.int32)
@@ -92,8 +102,9 @@ def _padded(grams: Int[Array, "... N"], n: int) -> Int[Array, "... N"]:
 
 
 def add(table: NgramTable, tokens: Int[Array, "B S"], old_lengths: Int[Array, "B"], take: Int[Array, "B"],
-        width_new: int, contribute: Bool[Array, "B"]) -> NgramTable:
-    """Writes the n-grams whose followers the commit of `take` tokens at `old_lengths` completed."""
+        width_new: int, contribute: Bool[Array, "B"], tenant: Int[Array, "B"] | None = None) -> NgramTable:
+    """Writes the n-grams whose followers the commit of `take` tokens at `old_lengths` completed,
+    each in its row's tenant's scope (`tenant`, default 0 for every row)."""
     b, s = tokens.shape
     w, nmax = table.width, table.max_n
     j = jnp.arange(width_new)[None, :]
@@ -102,10 +113,11 @@ def add(table: NgramTable, tokens: Int[Array, "B S"], old_lengths: Int[Array, "B
     gather = lambda cols: jnp.take_along_axis(tokens, jnp.clip(cols, 0, s - 1).reshape(b, -1), axis=1).reshape(cols.shape)
     grams = gather(end[..., None] - nmax + 1 + jnp.arange(nmax)[None, None, :])  # [B, J, N]
     follow = gather(end[..., None] + 1 + jnp.arange(w)[None, None, :])  # [B, J, W]
+    tenant = jnp.zeros((b,), jnp.int32) if tenant is None else tenant.astype(jnp.int32)
     keys, slots, ok = [], [], []
     for n in range(table.min_n, nmax + 1):
         keys.append(_padded(grams, n))
-        slots.append(_slot(grams, n, table.size))
+        slots.append(_slot(grams, n, table.size, tenant[:, None]))
         ok.append((j < take[:, None]) & (end - n + 1 >= 0) & contribute[:, None])
     keys, slots, ok = (jnp.stack(x, axis=2) for x in (keys, slots, ok))  # [B, J, n's, ...]
     nn = slots.shape[2]
@@ -113,16 +125,21 @@ def add(table: NgramTable, tokens: Int[Array, "B S"], old_lengths: Int[Array, "B
     prio = (j[:, :, None] * b + jnp.arange(b)[:, None, None]) * nn + jnp.arange(nn)[None, None, :] + 1
     order = jnp.where(ok, prio, 0).reshape(-1)
     follow = jnp.broadcast_to(follow[:, :, None], slots.shape + (w,)).reshape(-1, w)
+    owner = jnp.broadcast_to(tenant[:, None, None], slots.shape).reshape(-1)
     slots, ok, keys = slots.reshape(-1), ok.reshape(-1), keys.reshape(-1, nmax)
     best = jnp.zeros((table.size,), jnp.int32).at[slots].max(order)
     win = ok & (best[slots] == order)
     target = jnp.where(win, slots, table.size)  # losers write out of range: dropped
+    owners = jnp.zeros((table.size,), jnp.int32) if table.owner is None else table.owner
     return table.replace(keys=table.keys.at[target].set(keys, mode="drop"),
-                         follow=table.follow.at[target].set(follow, mode="drop"))
+                         follow=table.follow.at[target].set(follow, mode="drop"),
+                         owner=owners.at[target].set(owner, mode="drop"))
 
 
-def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"], k: int):
-    """(drafts [B, k], found [B]): the followers of the row's longest n-gram found in the table."""
+def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"], k: int,
+           tenant: Int[Array, "B"] | None = None):
+    """(drafts [B, k], found [B]): the followers of the row's longest n-gram found in the table
+    among its tenant's entries (`tenant`, default 0 for every row)."""
     b, s = tokens.shape
     if k > table.width:
         raise ValueError(f"prompt lookup k={k} exceeds the n-gram table's width {table.width}")
@@ -130,9 +147,12 @@ def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"
     grams = jnp.take_along_axis(tokens, cols, axis=1)  # the row's last max_n tokens [B, N]
     draft = jnp.zeros((b, k), jnp.int32)
     found = jnp.zeros((b,), bool)
+    tenant = jnp.zeros((b,), jnp.int32) if tenant is None else tenant.astype(jnp.int32)
+    owners = jnp.zeros((table.size,), jnp.int32) if table.owner is None else table.owner
     for n in range(table.max_n, table.min_n - 1, -1):
-        slot = _slot(grams, n, table.size)
+        slot = _slot(grams, n, table.size, tenant)
         hit = jnp.all(table.keys[slot] == _padded(grams, n), axis=-1) & (lengths >= n) & ~found
+        hit &= owners[slot] == tenant
         draft = jnp.where(hit[:, None], table.follow[slot, :k], draft)
         found |= hit
     return draft, found

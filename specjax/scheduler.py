@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import statistics
@@ -130,7 +131,11 @@ class Request:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    status: str = "queued"  # queued | running | finished | cancelled
+    speculation: Option | None = None  # the one option it may speculate with (None: any)
+    tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
+    stop_ids: tuple[int, ...] = ()  # its stop tokens
+    status: str = "queued"  # queued | running | finished | cancelled | failed
+    error: str | None = None  # why it failed
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     arrived_s: float | None = None
@@ -194,6 +199,10 @@ class Scheduler:
         request updates and prompt lookup consults (`specjax.ngram_table`); it lives in the batch
         state, so every option's chunks (plain included) feed it, and slot refills keep it. None:
         `NGRAM_TABLE_SLOTS` when prompt lookup is among the options, else none; 0: none.
+      with_plain: with a fixed speculative `spec`, also compile the plain loop, so that a request
+        may opt out of speculation (auto always has it).
+      history: keep only the last `history` requests in `requests` and chunks in `chunk_log`
+        (a server's bound; None: all, for offline runs that read them afterwards).
       clock: seconds; `time.perf_counter` by default.
     """
 
@@ -201,7 +210,8 @@ class Scheduler:
                  controller: ControllerConfig | None = None, opts: GenerateOptions = GenerateOptions(),
                  chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
                  auto_specs: dict[str, SpecConfig] | None = None, ngram_table: int | None = None,
-                 batch_sizes: Sequence[int] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
+                 history: int | None = None, clock: Callable[[], float] = time.perf_counter):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
@@ -227,7 +237,8 @@ class Scheduler:
             self.ccfg = None
             spec = resolve(spec)
             self.specs = {} if spec.method == "none" else {(spec.method, spec.k): spec}
-        self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs else ()) + tuple(self.specs)
+        self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs or with_plain else ()) + tuple(self.specs)
+        self.fixed: Option = next(iter(self.specs), PLAIN)  # a fixed spec's option
         for s in self.specs.values():
             engine.proposer(s)  # raises before compiling (heads missing, k too large, ...)
         lookups = [s for s in self.specs.values() if s.method == "ngram"]
@@ -241,14 +252,19 @@ class Scheduler:
             self.table = dataclasses.replace(widest, ngram_table=int(ngram_table)).table_config()
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
-        self.requests: list[Request] = []
+        if history is not None and (int(history) != history or history < 1):
+            raise ValueError(f"history={history}: must be an integer >= 1 (or None: keep all)")
+        self.requests: list[Request] = [] if history is None else collections.deque(maxlen=int(history))
+        self.live: dict[int, Request] = {}  # queued and running requests by id
+        self._next_id = 0
         self.queue: list[Request] = []
         self.slots: list[Request | None] = [None] * self.b
         self.controller: Controller | None = None
         self.cost: CostModel | None = None  # at the full batch; `costs` per batch size
         self.costs: dict[int, CostModel] = {}
         self.state: DecodeState | None = None
-        self.chunk_log: list[telemetry.ChunkRecord] = []  # every chunk: what ran, why, for whom
+        self.chunk_log: list[telemetry.ChunkRecord] = (  # every chunk (or the last `history`): what ran, why, for whom
+            [] if history is None else collections.deque(maxlen=int(history)))
         # auto with prompt lookup among its options: replay it over text other options commit
         lookups = [s for o, s in self.specs.items() if s.method == "ngram"]
         self._replay_spec = (max(lookups, key=lambda s: s.k)
@@ -262,12 +278,17 @@ class Scheduler:
                arrival: float | None = None, opt_out: bool = False, contribute: bool = True,
                max_new_tokens: int | None = None,
                seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
-               top_p: float | None = None) -> int:
+               top_p: float | None = None, speculation: Option | None = None, tenant: int = 0,
+               stop_ids: Sequence[int] = ()) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
         lands in. Sampling values default to the scheduler's options. `opt_out`: never speculated
         on; `contribute=False` (implied by opt_out): its text never enters the n-gram table.
+        `speculation`: the one option (method, K) of `options` it may speculate with (chunks
+        while it runs use that option, or plain when running requests name different ones).
+        `tenant`: the scope of the n-gram table it reads and writes (the table never proposes one
+        tenant's text to another). `stop_ids`: stop tokens besides the scheduler's.
         """
         m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
         if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
@@ -285,16 +306,35 @@ class Scheduler:
         if self.state is not None and self.engine.bucket_for(len(ids)) > self.bucket:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
                              f"{self.bucket}; pass max_prompt_tokens= when creating it")
-        req = Request(id=len(self.requests), ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
-                      opt_out=opt_out, contribute=contribute and not opt_out,
-                      seed=self.opts.seed if seed is None else seed, **sp)
+        if opt_out and PLAIN not in self.options:
+            raise ValueError("opt_out needs the plain loop: create the scheduler with with_plain=True")
+        if speculation is not None and tuple(speculation) not in self.options:
+            raise ValueError(f"speculation {_label(tuple(speculation))}: this scheduler runs "
+                             f"{', '.join(map(_label, self.options))}")
+        stops = tuple(dict.fromkeys([*self.engine.stop_ids(self.opts), *map(int, stop_ids)]))
+        if len(stops) > core.MAX_STOP_IDS:
+            raise ValueError(f"{len(stops)} stop tokens (the model's included): at most {core.MAX_STOP_IDS}")
+        if int(tenant) != tenant or not 0 <= tenant < 2 ** 31:
+            raise ValueError(f"tenant={tenant}: must be an integer in [0, 2**31)")
+        seed = self.opts.seed if seed is None else seed
+        if int(seed) != seed or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed={seed}: must be an integer in [0, 2**32)")
+        req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
+                      opt_out=opt_out, contribute=contribute and not opt_out, seed=int(seed),
+                      speculation=None if speculation is None else tuple(speculation), tenant=int(tenant),
+                      stop_ids=stops, **sp)
+        self._next_id += 1
         self.requests.append(req)
+        self.live[req.id] = req
         self.queue.append(req)
         return req.id
 
     def cancel(self, rid: int) -> None:
-        """Cancels a request: a queued one never runs; a running one frees its slot now."""
-        req = self.requests[rid]
+        """Cancels a request: a queued one never runs; a running one frees its slot now. Not
+        thread-safe: call it between steps, from the thread that steps (a server's engine thread)."""
+        req = self.live.get(rid)
+        if req is None:  # finished, failed, cancelled or unknown
+            return
         if req.status == "queued":
             self.queue.remove(req)
         elif req.status == "running":
@@ -306,9 +346,39 @@ class Scheduler:
         else:
             return
         req.status, req.finished_s, req.stop_reason = "cancelled", self.now(), "cancelled"
+        self.live.pop(req.id, None)
+
+    def fail(self, req: Request, error: str) -> None:
+        """Ends one request with an error (its slot, if it had one, is already free)."""
+        req.status, req.finished_s, req.stop_reason, req.error = "failed", self.now(), "error", error
+        self.live.pop(req.id, None)
+        self._lookups.pop(req.id, None)
+        if self.controller is not None:
+            self.controller.remove_row(req.id)
+
+    def reset_batch(self, error: str) -> list[Request]:
+        """After an error inside a chunk (the device's, or the host's while it read the chunk): fails
+        every running request with `error` and starts a fresh, empty batch (the donated state may be
+        gone; the n-gram table starts empty). Queued requests stay queued. Returns the failed ones."""
+        waiting = {r.id for r in self.queue}
+        failed = [r for r in self.live.values() if r.id not in waiting]  # running, or mid-admission
+        for r in failed:
+            self.fail(r, error)
+        self.slots = [None] * self.b
+        empty = self._placeholders(max_new=1)
+        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
+        self.pstates = dict(zip(self.specs, pstates))
+        self._lengths = np.asarray(self.state.lengths).copy()
+        return failed
 
     def now(self) -> float:
         return 0.0 if self._t0 is None else self.clock() - self._t0
+
+    def start_clock(self) -> None:
+        """Starts the clock that `arrival` and every request time count from (the first `step`
+        does it otherwise); a server calls it once, so that arrivals are given as they happen."""
+        if self._t0 is None:
+            self._t0 = self.clock()
 
     # ---- programs --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -369,6 +439,14 @@ class Scheduler:
         for size in self.sizes:
             self.calibrate(steps=1, repeats=1, size=size)
 
+    def compile_buckets(self) -> None:
+        """Compiles the insert program of every prompt bucket up to the scheduler's, so that no
+        request compiles anything when it arrives (a server's warm-up)."""
+        self.prepare()
+        for p in self.engine.buckets:
+            if p <= self.bucket:
+                self._insert_program(p)
+
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
@@ -390,8 +468,8 @@ class Scheduler:
     def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
         inputs = Inputs.create([req.ids], bucket=p, max_new_tokens=req.max_new_tokens,
                                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                               stop_ids=self.engine.stop_ids(self.opts), seed=req.seed,
-                               row_ids=[max(req.id, 0)], contribute=req.contribute)
+                               stop_ids=req.stop_ids or self.engine.stop_ids(self.opts), seed=req.seed,
+                               row_ids=[max(req.id, 0)], contribute=req.contribute, tenant=req.tenant)
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 
@@ -476,8 +554,18 @@ class Scheduler:
         return next(x for x in self.sizes if x >= top)
 
     def plan(self, active: Sequence[Request], *, size: int | None = None) -> Plan:
+        """The next chunk's option: plain while an opted-out request runs; the option the running
+        requests name, when they name one (plain when they name different ones); else the fixed
+        spec or the controller's choice."""
+        if PLAIN in self.options and any(r.opt_out for r in active):
+            if self.controller is not None:
+                return self.controller.choose([r.id for r in active])  # its own "opt_out" plan
+            return Plan(PLAIN, 1.0, "opt_out")
+        named = {r.speculation for r in active if r.speculation is not None}
+        if named:
+            return Plan(named.pop(), 1.0, "requested") if len(named) == 1 else Plan(PLAIN, 1.0, "requests_differ")
         if self.controller is None:
-            return Plan(self.options[0], 1.0, "fixed")
+            return Plan(self.fixed, 1.0, "fixed")
         self.controller.cost = self.costs.get(size or self.b, self.cost)
         return sharding.broadcast_from_0(self.controller.choose([r.id for r in active]))
 
@@ -490,7 +578,13 @@ class Scheduler:
                 return
             req = ready[0]
             self.queue.remove(req)
-            self._insert(free[0], req, now)
+            try:
+                self._insert(free[0], req, now)
+            except Exception as e:  # late bad input, or its prefill failed: this request alone
+                if self.slots[free[0]] is req or any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                    raise  # it failed after taking the slot or the donated batch: see reset_batch
+                self.fail(req, f"{type(e).__name__}: {e}")
+                continue
             if req.status == "running":
                 free.pop(0)
 
@@ -582,9 +676,11 @@ class Scheduler:
             self.controller.observe(req.id, "ngram", kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
-        req.stop_reason = telemetry.stop_reason(req.tokens, self.engine.stop_ids(self.opts), req.max_new_tokens)
+        stops = req.stop_ids or self.engine.stop_ids(self.opts)
+        req.stop_reason = telemetry.stop_reason(req.tokens, stops, req.max_new_tokens)
         req.status, req.finished_s, req.target_forwards = "finished", t, forwards
         self.slots[req.slot] = None
+        self.live.pop(req.id, None)
         if self.controller is not None:
             self.controller.remove_row(req.id)
         self._lookups.pop(req.id, None)

@@ -33,6 +33,7 @@ class DecodeState:
     row_forwards: Int[Array, "B"]  # target forwards while each row was still active
     table: NgramTable | None = None  # the cross-request n-gram table, shared by all rows
     contribute: Bool[Array, "B"] | None = None  # rows whose text may enter the table (None: all)
+    tenant: Int[Array, "B"] | None = None  # each row's scope of the table (None: tenant 0)
 
     @property
     def num_new(self) -> Int[Array, "B"]:
@@ -87,7 +88,7 @@ def commit(
     table = state.table
     if table is not None:
         contribute = jnp.ones_like(state.done) if state.contribute is None else state.contribute
-        table = ngram_table.add(table, tokens, state.lengths, take, w, contribute)
+        table = ngram_table.add(table, tokens, state.lengths, take, w, contribute, state.tenant)
     stopped = (stop & (j < take[:, None])).any(axis=1)
     done = (
         state.done

@@ -39,13 +39,31 @@ def _occurs(needle, hay):
     return any(tuple(hay[i:i + n]) == needle for i in range(len(hay) - n + 1))
 
 
+def test_tenants_never_read_each_others_entries():
+    """Tenant 1's text is in the table under tenant 1 only: tenant 2 (and the default tenant 0)
+    find nothing for the same context, tenant 1 finds its followers."""
+    cfg = TableConfig(size=256, width=3, min_n=2, max_n=3)
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    tokens = jnp.asarray([text])
+    t = add(NgramTable.empty(cfg), tokens, jnp.zeros((1,), jnp.int32), jnp.asarray([8], jnp.int32), 8,
+            jnp.ones((1,), bool), jnp.asarray([1], jnp.int32))
+    written = np.asarray(t.keys >= 0).any(axis=1)
+    assert written.sum() > 0 and set(np.asarray(t.owner)[written].tolist()) == {1}
+    ctx, length = jnp.asarray([[0, 0, 1, 2, 3]]), jnp.asarray([5])
+    draft, found = lookup(t, ctx, length, 3, jnp.asarray([1], jnp.int32))
+    assert bool(found[0]) and draft[0].tolist() == [4, 5, 6]
+    for other in (jnp.asarray([2], jnp.int32), None):
+        _, found = lookup(t, ctx, length, 3, other)
+        assert not bool(found[0])
+
+
 def test_table_is_deterministic_bounded_and_exact():
     cfg = TableConfig(size=64, width=3, min_n=2, max_n=3)
     rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 1, 2, 3, 10, 11, 12, 13]]
     a = _commit_all(NgramTable.empty(cfg), rows)
     b = _commit_all(NgramTable.empty(cfg), rows)
     assert a.keys.shape == (64, 3) and a.follow.shape == (64, 3)
-    assert sum(x.size * x.dtype.itemsize for x in (a.keys, a.follow)) == cfg.nbytes
+    assert sum(x.size * x.dtype.itemsize for x in (a.keys, a.follow, a.owner)) == cfg.nbytes
     np.testing.assert_array_equal(a.keys, b.keys)
     np.testing.assert_array_equal(a.follow, b.follow)
     for gram, follow in _entries(a):  # every entry is an n-gram and its true followers

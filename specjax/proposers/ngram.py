@@ -62,7 +62,7 @@ class NgramProposer(Stateless):
     def propose(self, params, pstate, state: DecodeState, sampling_config, keys):
         draft, found = self._lookup(state.tokens, state.lengths)
         if state.table is not None:
-            shared, hit = ngram_table.lookup(state.table, state.tokens, state.lengths, self.k)
+            shared, hit = ngram_table.lookup(state.table, state.tokens, state.lengths, self.k, state.tenant)
             draft = jnp.where((~found & hit)[:, None], shared, draft)
         return draft, None, pstate
 
