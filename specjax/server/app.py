@@ -181,10 +181,15 @@ class Server:
         auth = request.headers.get("authorization", "")
         key = f"key:{auth[7:]}" if auth.lower().startswith("bearer ") and auth[7:].strip() else (
             f"user:{user}" if user else None)
-        if key is None:
-            return 0
+        return 0 if key is None else self.tenant_id(key)
+
+    def tenant_id(self, key: str) -> int:
+        """The id of tenant `key` ("key:<API key>" or "user:<user>"), given on first sight."""
         h = hashlib.sha256(key.encode()).hexdigest()
         if h not in self._tenants:
+            if len(self._tenants) >= 2 ** 31 - 2:
+                raise APIError(503, "too many tenants for the n-gram table's scopes; restart the server",
+                               type="server_error")
             self._tenants[h] = len(self._tenants) + 1
         return self._tenants[h]
 

@@ -16,7 +16,7 @@ import re
 
 import jax
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from specjax.server.engine_thread import End, EngineThread, Job
 
@@ -45,6 +45,7 @@ class Metrics:
     """The server's registry; `on_chunk` and `on_end` are the engine thread's hooks."""
 
     def __init__(self, *, startup_memory: dict[str, int] | None = None):
+        disable_created_metrics()  # no `_created` series beside every counter (vLLM's exporter does the same)
         self.registry = r = CollectorRegistry()
         p = "specjax:"
         self.drafts = Counter(p + "spec_decode_num_drafts", "Speculative steps (drafts verified)", registry=r)

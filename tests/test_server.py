@@ -1,0 +1,471 @@
+"""The HTTP server: the official `openai` client against a tiny model on 127.0.0.1.
+
+One server (prompt lookup, k=4, with the plain loop beside it, 4 slots) is shared by the module;
+the SIGTERM test runs its own in a subprocess (this file run as a script). Every wait is bounded.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import need_module
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from specjax import ngram_table
+from specjax.config import SpecConfig
+from specjax.engine import Engine
+from specjax.models import config as model_config
+from specjax.models import loader
+from specjax.models.tokenizer import Tokenizer
+from specjax import server as srv
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,:\n=-_0")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MODEL = "tiny"
+MAX_TOKENS = 24
+PROMPTS = ["abc abc abc", "key = value\nkey = ", "Hello there", "x: 1, y: 2, z:"]
+
+
+def tiny_engine() -> Engine:
+    """The tiny random model (vocabulary 64) with a character-level tokenizer and ChatML."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    backend = Backend(models.WordLevel(vocab, unk_token="_"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    backend.add_special_tokens(SPECIALS)
+    backend.decoder = decoders.Fuse()
+    tok = Tokenizer(backend, bos_id=None, eos_id=0, chat_template=CHATML)
+    return Engine(loader.init_model(model_config.preset("tiny"), seed=0), tok, buckets=(32, 64), name=MODEL)
+
+
+def tiny_server(eng: Engine, **config) -> srv.Server:
+    sched = srv.scheduler_for(eng, method="ngram", spec=SpecConfig(method="ngram", k=4), slots=4,
+                              max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=64)
+    return srv.Server(sched, srv.ServeConfig(model_name=MODEL, **{"max_queue": 40, **config}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout: float, what: str, every: float = 0.05):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def served():
+    uvicorn = need_module("uvicorn")
+    eng = tiny_engine()
+    server = tiny_server(eng)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy(url), 300, "the server's warm-up")
+        yield eng, server, url
+    finally:
+        uv.should_exit = True
+        th.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """Engine.generate's greedy tokens for each prompt, chat and completion (the oracle)."""
+    eng = served[0]
+    out = {}
+    for p in PROMPTS:
+        out[("chat", p)] = eng.generate([p], chat=True, max_new_tokens=MAX_TOKENS)[0].tokens
+        out[("completion", p)] = eng.generate([p], max_new_tokens=MAX_TOKENS)[0].tokens
+    return out
+
+
+@pytest.fixture
+def client(served):
+    openai = need_module("openai")
+    return openai.OpenAI(base_url=served[2] + "/v1", api_key="test", max_retries=0, timeout=60)
+
+
+def idle(server: srv.Server) -> bool:
+    s = server.sched
+    return not s.live and not s.queue and all(r is None for r in s.slots) and server.engine.pending == 0
+
+
+def _text(eng, tokens):
+    return eng.tokenizer.decode(tokens, skip_special=True)
+
+
+@pytest.mark.parametrize("speculation", ["off", "auto", {"method": "ngram", "k": 4}])
+def test_openai_client_greedy_equals_generate(served, reference, client, speculation):
+    """Chat and completion, streamed and not: the tokens and text of Engine.generate, plain and
+    with prompt lookup; usage and finish_reason as OpenAI's."""
+    eng, server, _ = served
+    extra = {"speculation": speculation, "return_token_ids": True}
+    for p in PROMPTS[:2]:
+        ref = reference[("chat", p)]
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                           max_tokens=MAX_TOKENS, extra_body=extra)
+        choice = r.choices[0]
+        assert choice.model_extra["token_ids"] == ref
+        assert choice.message.content == _text(eng, ref) and choice.message.role == "assistant"
+        assert choice.finish_reason == ("length" if len(ref) == MAX_TOKENS else "stop")
+        n_prompt = len(eng.encode([p], chat=True)[0])
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(ref))
+        spec = r.model_extra["metrics"]["speculative_decoding"]
+        assert (spec["num_drafts"] == 0) == (speculation == "off")
+
+        toks, text, finish = [], "", None
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                max_tokens=MAX_TOKENS, stream=True, extra_body=extra,
+                                                stream_options={"include_usage": True})
+        usage = None
+        for ch in stream:
+            if ch.usage is not None:
+                usage = ch.usage
+            for c in ch.choices:
+                toks += c.model_extra.get("token_ids", [])
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        assert toks == ref and text == _text(eng, ref) and finish == choice.finish_reason
+        assert usage.completion_tokens == len(ref)
+
+        ref = reference[("completion", p)]
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, extra_body=extra)
+        assert r.choices[0].model_extra["token_ids"] == ref and r.choices[0].text == _text(eng, ref)
+        toks, text = [], ""
+        for ch in client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, stream=True,
+                                            extra_body=extra):
+            toks += ch.choices[0].model_extra.get("token_ids", [])
+            text += ch.choices[0].text
+        assert toks == ref and text == _text(eng, ref)
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_stop_strings_and_max_tokens(served, reference, client):
+    eng, _, _ = served
+    ref = reference[("completion", PROMPTS[0])]
+    full = _text(eng, ref)
+    stop = full[3:5]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.find(stop)]
+    text = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, stop=stop, stream=True))
+    assert text == full[: full.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  extra_body={"stop_token_ids": [ref[2]], "return_token_ids": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == ref[: ref.index(ref[2]) + 1] and r.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_are_rejected_before_any_compile(served, client):
+    eng, server, url = served
+    before = eng.compile_count
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"model": "gpt-4", "messages": msg}), 404, "model"),
+        (json.dumps({"model": MODEL, "messages": msg, "max_tokens": -1}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": msg, "max_tokens": MAX_TOKENS + 1}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": msg, "temperature": -0.5}), 400, "temperature"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * 80}]}), 400, "prompt"),
+        (json.dumps({"model": MODEL, "messages": msg, "speculation": {"method": "medusa"}}), 400, "speculation"),
+        (json.dumps({"model": MODEL, "messages": msg, "speculation": {"method": "ngram", "k": 8}}), 400,
+         "speculation"),
+        (json.dumps({"model": MODEL, "messages": msg, "speculation": "sometimes"}), 400, "speculation"),
+        (json.dumps({"model": MODEL}), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": msg, "top_p": 0}), 400, "top_p"),
+    ]
+    for body, status, param in cases:
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["param"] == param or (param and err["param"].startswith(param)), (body, err)
+    openai = need_module("openai")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=msg, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    assert eng.compile_count == before and idle(server)
+
+
+def test_models_health_metrics(served, client):
+    eng, server, url = served
+    ids = [m.id for m in client.models.list()]
+    assert ids == [MODEL]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, extra_body={"task": "config"})
+    text = httpx.get(url + "/metrics").text
+    for name in ["specjax:spec_decode_num_drafts_total", "specjax:spec_decode_num_draft_tokens_total",
+                 "specjax:spec_decode_num_accepted_tokens_total",
+                 'specjax:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                 'specjax:spec_decode_acceptance_rate_by_task{task="config"}', "specjax:chunks_speculated_fraction",
+                 "specjax:num_requests_waiting 0.0", "specjax:num_requests_running 0.0",
+                 "specjax:time_to_first_token_seconds_bucket", "specjax:inter_token_latency_seconds_bucket",
+                 "specjax:e2e_request_latency_seconds_bucket", 'specjax:memory_bytes{kind="process_rss"}']:
+        assert name in text, name
+    rss = [line for line in text.splitlines() if line.startswith('specjax:memory_bytes{kind="process_rss"}')]
+    assert float(rss[0].split()[-1]) > 1e6
+
+
+async def _stream(url, prompt, *, cancel_after: int | None, key: str = "test"):
+    """Streams a chat completion; with `cancel_after`, closes the connection after that many
+    chunks. Returns (token ids, finish_reason)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "stream": True, "return_token_ids": True, "speculation": "off"}
+    toks, finish, chunks = [], None, 0
+    async with httpx.AsyncClient(timeout=60) as c:
+        async with c.stream("POST", url + "/v1/chat/completions", json=body,
+                            headers={"authorization": f"Bearer {key}"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])
+                assert "error" not in ch, ch
+                for c0 in ch["choices"]:
+                    toks += c0.get("token_ids", [])
+                    finish = c0["finish_reason"] or finish
+                chunks += 1
+                if cancel_after is not None and chunks >= cancel_after:
+                    return toks, "closed"
+    return toks, finish
+
+
+def test_32_streams_half_cancelled_by_disconnect(served, reference, monkeypatch):
+    eng, server, url = served
+    sched = server.sched
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    step = sched.step
+
+    def slow_step():  # a chunk takes long enough for the cancels to land mid-stream
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
+    rss0 = server.metrics.memory.labels(kind="process_rss")._value.get()
+
+    async def main():
+        jobs = [_stream(url, PROMPTS[i % len(PROMPTS)], cancel_after=2 if i % 2 else None) for i in range(32)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), 120)
+
+    out = asyncio.run(main())
+    for i, (toks, finish) in enumerate(out):
+        ref = reference[("chat", PROMPTS[i % len(PROMPTS)])]
+        if i % 2:
+            assert finish == "closed" and toks == ref[: len(toks)]
+        else:
+            assert toks == ref and finish in ("stop", "length")
+    wait_until(lambda: idle(server), 20, "every slot to be freed and the queue to empty")
+    cancelled = [r for r in sched.requests if r.status == "cancelled"]
+    assert len(cancelled) >= 8  # those that had not finished when their client left
+    assert all(r.slot is None or sched.slots[r.slot] is not r for r in cancelled)
+    assert len(sched.requests) <= 64 and len(sched.chunk_log) <= 64  # the bounded history
+    assert not server.engine.jobs
+    rss1 = server.metrics.memory.labels(kind="process_rss")._value.get()
+    assert rss1 - rss0 < 200e6
+
+
+def test_queue_full_gives_429_with_retry_after(served, monkeypatch):
+    eng, server, url = served
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    gate = threading.Event()
+    step = server.sched.step
+
+    def blocked_step():
+        gate.wait(30)
+        return step()
+
+    monkeypatch.setattr(server.sched, "step", blocked_step)
+    cap = server.engine.capacity
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=cap + 4)) as c:
+            first = [asyncio.create_task(c.post(url + "/v1/completions", json=body)) for _ in range(cap)]
+            await asyncio.sleep(0.2)
+            t_end = time.monotonic() + 20
+            while server.engine.pending < cap and time.monotonic() < t_end:
+                await asyncio.sleep(0.05)
+            over = await c.post(url + "/v1/completions", json=body)
+            gate.set()
+            return over, await asyncio.gather(*first)
+
+    try:
+        over, first = asyncio.run(main())
+    finally:
+        gate.set()
+    assert over.status_code == 429 and over.headers["retry-after"] == "1"
+    assert over.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.status_code == 200 for r in first)
+    wait_until(lambda: idle(server), 20, "the engine to go idle")
+
+
+def test_deadline_ends_with_timeout(served, client, monkeypatch):
+    eng, server, url = served
+    step = server.sched.step
+
+    def slow_step():
+        time.sleep(0.1)
+        return step()
+
+    monkeypatch.setattr(server.sched, "step", slow_step)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                  extra_body={"timeout": 0.25, "speculation": "off"})
+    assert r.choices[0].finish_reason == "timeout" and r.usage.completion_tokens < MAX_TOKENS
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_flight(
+        served, reference, client, monkeypatch):
+    eng, server, url = served
+    sched = server.sched
+    openai = need_module("openai")
+    insert_args = sched._insert_args
+    bad = eng.tokenizer.encode("QQQ")
+
+    def failing_insert(slot, req, p):  # an error in this request's admission (its prefill's inputs)
+        if req.ids == bad:
+            raise RuntimeError("this request's prefill failed")
+        return insert_args(slot, req, p)
+
+    monkeypatch.setattr(sched, "_insert_args", failing_insert)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            post = lambda p: c.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                                   "return_token_ids": True})
+            return await asyncio.gather(post("QQQ"), *(post(p) for p in PROMPTS))
+
+    failed, *ok = asyncio.run(main())
+    assert failed.status_code == 500 and "prefill failed" in failed.json()["error"]["message"]
+    for p, r in zip(PROMPTS, ok):
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference[("completion", p)]
+    assert all(r.status != "queued" for r in sched.requests)
+
+    run_loop, calls = sched._run_loop, []
+
+    def device_error(*a, **kw):  # the first chunk after admission fails, as a device error would
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("XLA device lost")
+        return run_loop(*a, **kw)
+
+    monkeypatch.setattr(sched, "_run_loop", device_error)
+    with pytest.raises(openai.InternalServerError, match="XLA device lost"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == reference[("completion", PROMPTS[1])]
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_tenants_never_see_each_others_text(served):
+    """Tenant A's text enters the n-gram table under A only: the table holds no entry of B's,
+    and a lookup of A's own n-grams finds A's followers for A and nothing for B."""
+    openai = need_module("openai")
+    eng, server, url = served
+    a = openai.OpenAI(base_url=url + "/v1", api_key="tenant-a", max_retries=0)
+    b = openai.OpenAI(base_url=url + "/v1", api_key="tenant-b", max_retries=0)
+    a.completions.create(model=MODEL, prompt="secret: abcdefgh abcdefgh", max_tokens=MAX_TOKENS)
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    table = server.sched.state.table
+    before = (np.asarray(table.keys) >= 0).any(axis=1).sum()
+    # B reads the table (its own scope) but opts out of contributing to it
+    b.completions.create(model=MODEL, prompt="secret: abcdefgh abcdefgh", max_tokens=MAX_TOKENS,
+                         extra_body={"contribute": False})
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    ta, tb = server.tenant_id("key:tenant-a"), server.tenant_id("key:tenant-b")
+    assert ta != tb and 0 not in (ta, tb)
+    table = server.sched.state.table
+    keys, follow, owner = np.asarray(table.keys), np.asarray(table.follow), np.asarray(table.owner)
+    used = (keys >= 0).any(axis=1)
+    assert used.sum() == before  # B wrote nothing
+    mine = np.flatnonzero(used & (owner == ta))
+    assert mine.size > 0 and not (used & (owner == tb)).any()
+    for slot in mine[:16]:  # A's n-grams are proposed to A, never to B
+        gram = [int(t) for t in keys[slot] if t >= 0]
+        ctx = jnp.asarray([[0] * 4 + gram])
+        n = jnp.asarray([ctx.shape[1]])
+        for tenant, expect in ((ta, True), (tb, False)):
+            draft, found = ngram_table.lookup(table, ctx, n, 4, jnp.asarray([tenant], jnp.int32))
+            assert bool(found[0]) == expect, (gram, tenant)
+            if expect and len(gram) == table.max_n:
+                assert draft[0].tolist() == follow[slot, :4].tolist()
+
+
+# ---- SIGTERM: a subprocess running this file as a script ------------------------------------------
+
+def _serve_main(port: int) -> int:
+    eng = tiny_engine()
+    server = tiny_server(eng)
+    step = server.sched.step
+
+    def slow_step():  # so that requests are still in flight when SIGTERM arrives
+        time.sleep(0.05)
+        return step()
+
+    server.sched.step = slow_step
+    return srv.run(server, host="127.0.0.1", port=port, drain_timeout=60, log_level="warning")
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, __file__, str(port)], env=env)
+    try:
+        wait_until(lambda: healthy(url) or proc.poll() is not None, 300, "the subprocess server's warm-up", 0.2)
+        assert proc.poll() is None
+
+        async def main():
+            tasks = [asyncio.create_task(_stream(url, p, cancel_after=None)) for p in PROMPTS]
+            t_end = time.monotonic() + 30
+            while time.monotonic() < t_end:  # until every request has streamed something
+                m = httpx.get(url + "/metrics").text
+                if "specjax:num_requests_running 4.0" in m:
+                    break
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+        out = asyncio.run(main())
+        assert all(f in ("stop", "length") and toks for toks, f in out), out
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    sys.exit(_serve_main(int(sys.argv[1])))
