@@ -8,9 +8,53 @@ Dimension alphabet used across `specjax` (einsums and type hints):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
+
+
+ROPE_SCALING_KINDS = ("llama3", "linear")  # what a checkpoint may ask for; "rope_freqs" is GGUF's form
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How a checkpoint rescales its RoPE frequencies (`specjax.models.llama.rope_inv_freq` applies it).
+
+    Kinds (each divides the default inverse frequencies `theta ** (-2i / H)`):
+      "linear": all of them by `factor` (position interpolation: positions / factor).
+      "llama3": Llama 3.1+, as HF's `_compute_llama3_parameters`: wavelengths below
+        `original_context / high_freq_factor` kept, above `original_context / low_freq_factor`
+        divided by `factor`, smoothly interpolated between.
+      "rope_freqs": each by its own entry of `divisors` (H / 2 of them): the `rope_freqs` tensor
+        llama.cpp's converter writes into a GGUF for llama3 scaling (llama.cpp divides each angle by it).
+
+    Hashable like the `ModelConfig` that holds it.
+    """
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+    divisors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in (*ROPE_SCALING_KINDS, "rope_freqs"):
+            raise ValueError(f"rope scaling {self.kind!r} is not supported; supported: "
+                             f"{', '.join(map(repr, ROPE_SCALING_KINDS))} (or none)")
+        object.__setattr__(self, "divisors", tuple(float(d) for d in self.divisors))
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"rope scaling {self.kind!r}: factor={self.factor} must be a positive number")
+        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor; got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.kind == "llama3" and self.original_context < 1:
+            raise ValueError(f"llama3 rope scaling: original_context={self.original_context} must be >= 1")
+        if self.kind == "rope_freqs" and not (
+                self.divisors and all(math.isfinite(d) and d > 0 for d in self.divisors)):
+            raise ValueError("rope scaling 'rope_freqs' needs H / 2 positive finite divisors; got "
+                             f"{self.divisors[:8]}{'...' if len(self.divisors) > 8 else ''}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +73,7 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None  # None: the plain frequencies
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
@@ -54,6 +99,12 @@ class ModelConfig:
                 raise ValueError(f"{f}={getattr(self, f)!r}: use 'float32', 'bfloat16' or 'float16'")
         if self.weight_layout not in ("kn", "nk"):
             raise ValueError(f"weight_layout={self.weight_layout!r}: use 'kn' (w[K, N]) or 'nk' (w[N, K])")
+        if isinstance(self.rope_scaling, dict):  # read back from a JSON manifest (dataclasses.asdict)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "rope_freqs" and len(rs.divisors) != self.head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(rs.divisors)} divisors; head_dim={self.head_dim} needs "
+                             f"{self.head_dim // 2}")
 
     @property
     def groups(self) -> int:

@@ -219,9 +219,9 @@ class EagleHead(nnx.Module):
             x = self._input(g, emb)
             hn = self.attn_norm(x)
             q = llama.rope(self.attn._proj(hn, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim),
-                           pos, c.rope_theta)
+                           pos, llama.rope_inv_freq(c))
             keys.append(llama.rope(self.attn._proj(hn, "k").reshape(b, t, c.num_kv_heads, c.head_dim),
-                                   pos, c.rope_theta))
+                                   pos, llama.rope_inv_freq(c)))
             values.append(self.attn._proj(hn, "v").reshape(b, t, c.num_kv_heads, c.head_dim))
             s0 = jnp.einsum("BTKGH,BSKH->BTKGS", q, keys[0]).astype(jnp.float32) * scale
             causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None] - j  # [T, S]: s <= t - j

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.config import ModelConfig
+from specjax.models.config import ROPE_SCALING_KINDS, ModelConfig, RopeScaling
 
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -48,6 +48,37 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def rope_scaling_from_gguf(reader, arch: str, head_dim: int) -> RopeScaling | None:
+    """The rope scaling llama.cpp would apply: `{arch}.rope.scaling.*` and the `rope_freqs` tensor.
+
+    llama.cpp's converter writes "llama3" scaling as `rope_freqs` (one divisor per frequency, no
+    scaling type) and "linear" as `rope.scaling.type` "linear" + `rope.scaling.factor`. Like
+    llama.cpp, a factor without a type is linear, and a linear factor with `rope_freqs` applies both.
+    Any other type (yarn, longrope, ...) raises one line.
+    """
+    get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise GGUFError(f"{arch}.rope.dimension_count={rope_dims} but head_dim={head_dim}: RoPE on part of "
+                        "each head is not supported")
+    factor = get("rope.scaling.factor", get("rope.scale_linear"))
+    kind = get("rope.scaling.type") or ("linear" if factor is not None else "none")
+    if kind not in ("none", "linear"):
+        raise GGUFError(f"GGUF rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported; supported: "
+                        f"{', '.join(map(repr, ROPE_SCALING_KINDS))} (llama3 as the rope_freqs tensor) or none")
+    if kind == "linear" and factor is None:
+        raise GGUFError(f"{arch}.rope.scaling.type is 'linear' but {arch}.rope.scaling.factor is missing")
+    factor = 1.0 if kind == "none" or not factor else float(factor)  # llama.cpp: 0 means no scaling
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None if factor == 1.0 else RopeScaling(kind="linear", factor=factor)
+    divisors = _dequantize(freqs).reshape(-1)
+    if divisors.size != head_dim // 2:
+        raise GGUFError(f"rope_freqs.weight has {divisors.size} entries; head_dim={head_dim} needs "
+                        f"{head_dim // 2}: the file is not a consistent model")
+    return RopeScaling(kind="rope_freqs", divisors=tuple(float(d) for d in divisors * np.float32(factor)))
+
+
 def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfig:
     """Builds a `ModelConfig` from GGUF metadata."""
     arch = _field(reader, "general.architecture")
@@ -64,6 +95,7 @@ def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfi
     if embed is None:
         raise GGUFError("GGUF file has no token_embd.weight tensor; it is not a complete model")
     embed_rows = int(embed.shape[1])
+    head_dim = int(get("attention.key_length", dim // num_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else embed_rows)
     kw = dict(
@@ -73,9 +105,10 @@ def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfi
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", dim // num_heads)),
+        head_dim=head_dim,
         ffn_dim=int(get("feed_forward_length")),
         rope_theta=float(get("rope.freq_base", 10_000.0)),
+        rope_scaling=rope_scaling_from_gguf(reader, arch, head_dim),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,

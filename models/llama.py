@@ -10,16 +10,19 @@ Dimension alphabet: see `specjax.models.config`.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sharding
 from specjax.models import kv_cache, linear
-from specjax.models.config import ModelConfig
+from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.kv_cache import KVCache
 
 
@@ -59,10 +62,45 @@ class RMSNorm(nnx.Module):
         return (x32 * scale).astype(x.dtype)
 
 
-def rope(x: Float[Array, "B T ... H"], positions: Int[Array, "B T"], theta: float):
-    """Rotary embedding, rotate-half layout (HF); GGUF's interleaved q/k are un-permuted at load."""
-    h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """The [H / 2] float32 inverse frequencies of `config`'s RoPE, its `rope_scaling` applied.
+
+    Every user of `rope` (the model, the EAGLE head, its training unroll) takes them from here.
+    """
+    return _inv_freq(float(config.rope_theta), config.head_dim, config.rope_scaling)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(theta: float, h: int, scaling: RopeScaling | None) -> np.ndarray:
+    # the base frequencies rounded once from float64 (numpy's float32 pow is 2 ulp off torch's and
+    # XLA's); then float32, operation for operation as HF's `modeling_rope_utils`
+    inv_freq = (1.0 / (theta ** (np.arange(0, h, 2) / h))).astype(np.float32)
+    if scaling is None:
+        out = inv_freq
+    elif scaling.kind == "linear":
+        out = inv_freq / np.float32(scaling.factor)
+    elif scaling.kind == "rope_freqs":
+        out = inv_freq / np.asarray(scaling.divisors, np.float32)
+    else:  # llama3 (`_compute_llama3_parameters`)
+        factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        old_context = scaling.original_context
+        low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+        wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+        smooth = ((old_context / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * inv_freq_llama / np.float32(factor) + smooth * inv_freq_llama
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        out = np.where(medium, smoothed, inv_freq_llama)
+    out = np.asarray(out, np.float32)
+    out.flags.writeable = False  # cached: shared by every caller
+    return out
+
+
+def rope(x: Float[Array, "B T ... H"], positions: Int[Array, "B T"], inv_freq: np.ndarray):
+    """Rotary embedding, rotate-half layout (HF); GGUF's interleaved q/k are un-permuted at load.
+
+    `inv_freq`: the [H / 2] inverse frequencies, `rope_inv_freq(config)`."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
     angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[2:])
     sin, cos = jnp.sin(angles), jnp.cos(angles)
@@ -108,8 +146,9 @@ class Attention(nnx.Module):
         q_BTKGH = self._proj(x, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
         k_BTKH = self._proj(x, "k").reshape(b, t, c.num_kv_heads, c.head_dim)
         v_BTKH = self._proj(x, "v").reshape(b, t, c.num_kv_heads, c.head_dim)
-        q_BTKGH = rope(q_BTKGH, positions, c.rope_theta)
-        k_BTKH = rope(k_BTKH, positions, c.rope_theta)
+        inv_freq = rope_inv_freq(c)
+        q_BTKGH = rope(q_BTKGH, positions, inv_freq)
+        k_BTKH = rope(k_BTKH, positions, inv_freq)
         kv_axes = ("batch", "seq", "kv_heads", "head_dim")
         k_buf = sharding.constrain(kv_cache.write(k_buf, k_BTKH, start), kv_axes)
         v_buf = sharding.constrain(kv_cache.write(v_buf, v_BTKH, start), kv_axes)

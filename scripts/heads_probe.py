@@ -27,12 +27,14 @@ import numpy as np
 import optax
 
 from specjax.models import loader
-from specjax.models.llama import rope
+from specjax.models.config import preset
+from specjax.models.llama import rope, rope_inv_freq
 from specjax.train_heads import data as hdata
 from specjax.models.heads_io import shipped_heads_dir
 
 ROWS = 128  # rows per conversation (the data's max_new_tokens)
-HEADS, HEAD_DIM, FFN, THETA = 9, 64, 1536, 100000.0
+HEADS, HEAD_DIM, FFN = 9, 64, 1536
+INV_FREQ = rope_inv_freq(preset("smollm2-135m"))  # SmolLM2's RoPE (head_dim 64, theta 1e5)
 
 
 def pack(td: hdata.TokenData, lo: int, hi: int):
@@ -72,8 +74,8 @@ def features(kind: str, p, h_BTD, e_BTD):
     z = jnp.concatenate([h_BTD, e_BTD], -1) @ p["fc"]
     a = _rms(z, p["g1"])
     pos_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    q = rope((a @ p["wq"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, THETA)
-    k = rope((a @ p["wk"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, THETA)
+    q = rope((a @ p["wq"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, INV_FREQ)
+    k = rope((a @ p["wk"]).reshape(b, t, HEADS, HEAD_DIM), pos_BT, INV_FREQ)
     v = (a @ p["wv"]).reshape(b, t, HEADS, HEAD_DIM)
     s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q, k) / HEAD_DIM ** 0.5
     s_BNTS = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s_BNTS, -1e9)

@@ -219,11 +219,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path: pathlib.Path, model, *, arch: str = "llama", qtype: str = "F32", tokenizer: bool = True,
-               permute: bool = True, vocab_key: bool = True) -> pathlib.Path:
+               permute: bool = True, vocab_key: bool = True, extra=None) -> pathlib.Path:
     """A GGUF as llama.cpp's converter writes it: torch-layout tensors, q/k permuted for `llama`.
 
     qtype applies to the 2-D matrices; norms and biases stay F32, as in llama.cpp's exports.
     Without `tokenizer`, `{arch}.vocab_size` says the vocabulary size instead (unless not `vocab_key`).
+    `extra(writer)`, when given, adds more metadata and tensors (rope scaling) before the weights.
     """
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -245,6 +246,8 @@ def write_gguf(path: pathlib.Path, model, *, arch: str = "llama", qtype: str = "
         writer.add_eos_token_id(SPECIALS.index("<|im_end|>"))
     elif vocab_key:
         writer.add_vocab_size(c.vocab_size)
+    if extra is not None:
+        extra(writer)
     for name, w in flat_weights(model).items():
         if name == "embed":
             g = gguf.TENSOR_NAMES[_T.TOKEN_EMBD] + ".weight"
