@@ -272,6 +272,57 @@ def cmd_loadbench(args) -> int:
     return loadbench.main(args)
 
 
+def cmd_serve(args) -> int:
+    """`specjax serve`: the OpenAI-compatible HTTP server (`specjax.server`) until SIGTERM."""
+    from specjax import loadbench
+    from specjax import server as srv
+    from specjax.controller import ControllerConfig
+    from specjax.engine import Engine
+    from specjax.models import eagle_io, heads_io
+    from specjax.server.metrics import memory_added, memory_now
+
+    for name in ("slots", "max_tokens", "max_prompt_tokens", "chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.method == "draft" and not args.draft_model:
+        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    m0 = memory_now()
+    engine = Engine.load(args.model, dtype=args.dtype,
+                         **({"draft_model": args.draft_model} if args.draft_model else {}))
+    m1 = memory_now()
+    if args.method in ("auto", "medusa") and (args.heads or heads_io.shipped_heads_dir(engine.name)):
+        engine.load_heads(args.heads or "default")
+    if args.method in ("auto", "eagle") and (args.eagle or eagle_io.shipped_eagle_dir(engine.name)):
+        engine.load_eagle(args.eagle or "default")
+    m2 = memory_now()
+    ccfg, named, spec = None, None, None
+    if args.method == "auto":
+        ccfg, named = ControllerConfig(), {}
+        if engine.heads is not None:
+            ccfg, named = loadbench._with_medusa(engine, ccfg, None)
+        if engine.eagle is not None:
+            ccfg, more = loadbench.with_eagle(engine, ccfg)
+            named = {**named, **more}
+    elif args.method == "eagle":
+        spec = eagle_spec(engine, args)
+    elif args.method != "none":
+        spec = _spec(args)
+    sizes = None
+    if args.batch_sizes:
+        sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
+    sched = srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
+                              max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
+                              chunk=args.chunk, batch_sizes=sizes, controller=ccfg, auto_specs=named)
+    config = srv.ServeConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
+                             request_timeout=args.request_timeout, share_ngram_table=args.share_ngram_table)
+    server = srv.Server(sched, config, startup_memory={"weights": memory_added(m0, m1),
+                                                       "draft_weights": memory_added(m1, m2)})
+    print(f"specjax serve: {config.model_name} ({', '.join(o[0] if not o[1] else f'{o[0]}:{o[1]}' for o in sched.options)}), "
+          f"{args.slots} slots, on http://{args.host}:{args.port}/v1 (GET /health is 200 once compiled)",
+          file=sys.stderr, flush=True)
+    return srv.run(server, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
+
+
 def cmd_tune_eagle(args) -> int:
     import pathlib
 
@@ -441,7 +492,41 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--runs-json", default=None,
                     help="write per-run details (calibrated step costs, chunks per K) to this path")
     lb.add_argument("--plots", default=None, help="directory for matplotlib plots (the plot extra)")
+    lb.add_argument("--url", default=None,
+                    help="drive a running `specjax serve` at this URL over HTTP instead (e.g. "
+                         "http://127.0.0.1:8000): closed-loop --concurrency, --rate or --surge, latency "
+                         "from the moment the client sent")
+    lb.add_argument("--goodput", default=None,
+                    help="with --url: SLOs in ms a request must meet to count as goodput, e.g. "
+                         "ttft:2000,tpot:100,e2el:20000 (default ttft:2000,tpot:100)")
     lb.set_defaults(func=cmd_loadbench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, SSE, /metrics) over "
+                                      "the continuous-batching scheduler")
+    _add_model_args(sv)
+    _add_spec_args(sv)
+    sv.set_defaults(method="auto")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=8, help="rows of the batch (requests decoded at once)")
+    sv.add_argument("--max-tokens", type=int, default=256, help="the most tokens a request may ask for (sizes "
+                                                                "the cache)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts get 400")
+    sv.add_argument("--temperature", type=float, default=0.0,
+                    help="requests' default; > 0 compiles the sampled programs (a greedy server refuses "
+                         "temperature > 0)")
+    sv.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
+    sv.add_argument("--batch-sizes", default=None, help="smaller batch sizes a chunk may run at, e.g. 1,2,4")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the slots; then 429")
+    sv.add_argument("--request-timeout", type=float, default=None,
+                    help="seconds from arrival; a request past it ends with finish_reason timeout")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    sv.add_argument("--share-ngram-table", action="store_true",
+                    help="one cross-request n-gram table for every tenant (default: one scope per API key "
+                         "or user: a tenant's text is never proposed to another)")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")

@@ -301,6 +301,10 @@ def main(args) -> int:
     auto_ks = _int_list(args.auto_k, "auto-k")
     from specjax import surge
 
+    if getattr(args, "url", None):  # a running server, over HTTP
+        from specjax import loadbench_http
+
+        return loadbench_http.main(args)
     phases = surge.parse_phases(args.surge) if args.surge else None
     conc = _int_list(args.concurrency, "concurrency") if args.concurrency else (
         (16,) if phases else DEFAULT_CONCURRENCY)

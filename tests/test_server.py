@@ -423,6 +423,32 @@ def test_tenants_never_see_each_others_text(served):
                 assert draft[0].tolist() == follow[slot, :4].tolist()
 
 
+def test_loadbench_over_http(served, tmp_path):
+    """`specjax loadbench --url`: closed loop at 1 and 4 clients, plain and prompt lookup, through
+    the real HTTP client; every request completes, client-side timings are consistent."""
+    from specjax import cli
+
+    eng, server, url = served
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "task": f"t{i % 2}", "turns": [p]}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "out.json"
+    rc = cli.main(["loadbench", "--url", url, "--prompts-file", str(path), "--methods", "none,ngram",
+                   "--concurrency", "1,4", "--max-new-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    runs = [r for r in data["records"] if r["task"] == "all"]
+    assert [(r["method"], r["concurrency"]) for r in runs] == [("none", 1), ("ngram", 1), ("none", 4), ("ngram", 4)]
+    for r in runs:
+        assert r["completed"] == len(PROMPTS) and r["failed"] == 0 and r["tokens"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["e2e_p50_s"] and r["output_tok_s"] > 0
+    assert runs[0]["num_drafts"] == 0 and runs[1]["num_drafts"] > 0
+    for q in data["requests"]:
+        assert q["status"] == 200 and q["ttft_s"] <= q["e2e_s"] and q["tokens"] <= 8
+    assert cli.main(["loadbench", "--url", url, "--prompts-file", str(path), "--methods", "medusa"]) == 2
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
 # ---- SIGTERM: a subprocess running this file as a script ------------------------------------------
 
 def _serve_main(port: int) -> int:

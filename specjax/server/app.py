@@ -31,7 +31,7 @@ from starlette.routing import Route
 from specjax.scheduler import Scheduler
 from specjax.server import protocol
 from specjax.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
-from specjax.server.metrics import Metrics
+from specjax.server.metrics import Metrics, memory_added, memory_now
 from specjax.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
@@ -80,14 +80,19 @@ class Server:
       >>> uvicorn.run(server.app, host="127.0.0.1", port=8000)
     """
 
-    def __init__(self, sched: Scheduler, config: ServeConfig, *, startup_memory: dict[str, int] | None = None):
+    def __init__(self, sched: Scheduler, config: ServeConfig, *,
+                 startup_memory: dict[str, dict[str, int]] | None = None):
+        """`startup_memory`: what loading added before this (stage -> `memory_now` kind -> bytes),
+        e.g. {"weights": ..., "draft_weights": ...}; the scheduler's warm-up is measured here."""
         if sched.engine.tokenizer is None:
             raise ValueError("serving text needs an Engine with a tokenizer")
         self.sched, self.config = sched, config
         self.tokenizer = sched.engine.tokenizer
         self.metrics = Metrics(startup_memory=startup_memory)
+        loaded = memory_now()
         self.engine = EngineThread(sched, max_queue=config.max_queue, on_chunk=self.metrics.on_chunk,
-                                   on_end=self.metrics.on_end)
+                                   on_end=self.metrics.on_end, on_ready=lambda: self.metrics.record_startup(
+                                       "caches_and_programs", memory_added(loaded, memory_now())))
         self._tenants: dict[str, int] = {}
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),

@@ -82,15 +82,17 @@ class EngineThread:
       max_queue: requests that may wait beyond the slots before `submit` raises `QueueFull`.
       on_chunk: called in the engine thread after every step (metrics).
       on_end: called in the engine thread when a job ends, with the job and its `End`.
+      on_ready: called in the engine thread once compiled and warmed up, before accepting requests.
     """
 
     def __init__(self, sched: Scheduler, *, max_queue: int = 64,
                  on_chunk: Callable[["EngineThread"], None] | None = None,
-                 on_end: Callable[[Job, End], None] | None = None):
+                 on_end: Callable[[Job, End], None] | None = None,
+                 on_ready: Callable[[], None] | None = None):
         if int(max_queue) != max_queue or max_queue < 0:
             raise ValueError(f"max_queue={max_queue}: must be an integer >= 0")
         self.sched, self.max_queue = sched, int(max_queue)
-        self.on_chunk, self.on_end = on_chunk, on_end
+        self.on_chunk, self.on_end, self.on_ready = on_chunk, on_end, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.pending = 0  # jobs submitted and not yet ended
@@ -146,6 +148,8 @@ class EngineThread:
             s.compile_buckets()
             s.warm()
             s.start_clock()
+            if self.on_ready is not None:
+                self.on_ready()
         except BaseException as e:  # reported by /health and the CLI
             log.exception("engine start-up failed")
             self.startup_error = e

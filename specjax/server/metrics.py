@@ -32,6 +32,10 @@ def device_bytes_in_use() -> int | None:
     return None if not stats else int(stats.get("bytes_in_use", 0))
 
 
+def memory_added(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 def memory_now() -> dict[str, int]:
     """Measured memory now: the process's RSS and, where reported, the device's bytes in use."""
     out = {"process_rss": psutil.Process().memory_info().rss}
@@ -74,16 +78,22 @@ class Metrics:
                              registry=r)
         self.memory = Gauge(p + "memory_bytes", "Measured memory now (process_rss; device_in_use where the "
                                                 "backend reports it)", ["kind"], registry=r)
-        self.startup = Gauge(p + "memory_startup_bytes", "Measured at start-up: what each stage added to the "
-                                                         "process RSS / device bytes in use", ["stage"], registry=r)
-        for stage, v in (startup_memory or {}).items():
-            self.startup.labels(stage=stage).set(v)
+        self.startup = Gauge(p + "memory_startup_bytes", "Measured at start-up: what each stage (weights, "
+                                                         "draft_weights, caches_and_programs) added to each kind",
+                             ["stage", "kind"], registry=r)
+        for stage, kinds in (startup_memory or {}).items():
+            self.record_startup(stage, kinds)
         for kind in ("process_rss", "device_in_use"):
             self.memory.labels(kind=kind).set_function(lambda k=kind: memory_now().get(k, float("nan")))
         self._last_chunk = None
         self._spec_chunks = 0
         self._all_chunks = 0
         self._tasks: dict[str, list[int]] = {}  # task -> [drafted, accepted]
+
+    def record_startup(self, stage: str, added: dict[str, int]) -> None:
+        """What a start-up stage added, per kind of `memory_now` (as measured before and after it)."""
+        for kind, v in added.items():
+            self.startup.labels(stage=stage, kind=kind).set(v)
 
     def task_label(self, task: str | None) -> str:
         t = "none" if task is None else str(task)
