@@ -4,8 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Explain speculative decoding in two sentences.
 ARGS   ?=
+PORT   ?= 8000
 
-.PHONY: run run-ops test bench clean
+.PHONY: run run-ops serve test bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,16 @@ run: $(VENV)/.base  ## generate with the embedded default model (fetched on firs
 run-ops: $(VENV)/.base
 	$(VENV)/bin/specjax generate --model smollm2-135m --chat --method auto --max-new-tokens 256 \
 	    --prompts-file ../shared/data/ops-dev.jsonl --per-task 4 $(ARGS)
+
+# the OpenAI-compatible server on the default model: auto over prompt lookup's lengths, 8 slots;
+# GET /health turns 200 once every program is compiled. Then, from another shell:
+#   curl http://127.0.0.1:$(PORT)/v1/chat/completions -H 'content-type: application/json' \
+#     -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}'
+#   .venv/bin/specjax loadbench --url http://127.0.0.1:$(PORT) --prompts-file ../shared/data/ops-dev.jsonl \
+#     --per-task 4 --chat --max-new-tokens 256 --methods none,auto --concurrency 1,4,16
+serve: $(VENV)/.base
+	$(VENV)/bin/specjax serve --model smollm2-135m --method auto --auto-methods ngram --slots 8 \
+	    --max-tokens 256 --port $(PORT) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
 	$(PY) -m pytest -q --durations=25 -rs $(ARGS)

@@ -290,13 +290,18 @@ def cmd_serve(args) -> int:
     engine = Engine.load(args.model, dtype=args.dtype,
                          **({"draft_model": args.draft_model} if args.draft_model else {}))
     m1 = memory_now()
-    if args.method in ("auto", "medusa") and (args.heads or heads_io.shipped_heads_dir(engine.name)):
+    auto_methods = {m.strip() for m in args.auto_methods.split(",") if m.strip()} if args.method == "auto" else set()
+    if auto_methods - {"ngram", "medusa", "eagle"}:
+        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of ngram,medusa,eagle")
+    if args.method == "medusa" or "medusa" in auto_methods and (args.heads or heads_io.shipped_heads_dir(engine.name)):
         engine.load_heads(args.heads or "default")
-    if args.method in ("auto", "eagle") and (args.eagle or eagle_io.shipped_eagle_dir(engine.name)):
+    if args.method == "eagle" or "eagle" in auto_methods and (args.eagle or eagle_io.shipped_eagle_dir(engine.name)):
         engine.load_eagle(args.eagle or "default")
     m2 = memory_now()
     ccfg, named, spec = None, None, None
     if args.method == "auto":
+        if "ngram" not in auto_methods:
+            raise ValueError("--auto-methods must include ngram (auto's cheapest option)")
         ccfg, named = ControllerConfig(), {}
         if engine.heads is not None:
             ccfg, named = loadbench._with_medusa(engine, ccfg, None)
@@ -526,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one cross-request n-gram table for every tenant (default: one scope per API key "
                          "or user: a tenant's text is never proposed to another)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    sv.add_argument("--auto-methods", default="ngram,medusa,eagle",
+                    help="--method auto: the proposers the controller may use (those the model has assets "
+                         "for); each compiles its programs before /health turns 200")
     sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
