@@ -218,6 +218,29 @@ def test_bad_requests_are_rejected_before_any_compile(served, client):
     assert eng.compile_count == before and idle(server)
 
 
+def test_bad_requests_compile_nothing_and_health_waits_for_warm_up():
+    """On a server whose engine never started: bad requests get their 400/404 all the same, good
+    ones 503 (warming up), /health 503, and nothing was compiled."""
+    from starlette.testclient import TestClient
+
+    eng = tiny_engine()
+    server = tiny_server(eng)
+    c = TestClient(server.app)  # no lifespan: the engine thread never starts
+    msg = [{"role": "user", "content": "hi"}]
+    for body, status in [({"model": MODEL, "messages": msg, "max_tokens": -1}, 400),
+                         ({"model": MODEL, "messages": msg, "temperature": -1}, 400),
+                         ({"model": "other", "messages": msg}, 404),
+                         ({"model": MODEL, "prompt": "a" * 80}, 400),
+                         ({"model": MODEL, "messages": msg, "speculation": {"method": "eagle", "k": 3}}, 400)]:
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = c.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["message"], (body, r.text)
+    r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msg})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert c.get("/health").status_code == 503
+    assert eng.compile_count == 0 and server.sched.state is None
+
+
 def test_models_health_metrics(served, client):
     eng, server, url = served
     ids = [m.id for m in client.models.list()]

@@ -86,6 +86,9 @@ class Server:
         e.g. {"weights": ..., "draft_weights": ...}; the scheduler's warm-up is measured here."""
         if sched.engine.tokenizer is None:
             raise ValueError("serving text needs an Engine with a tokenizer")
+        if sched.max_prompt_tokens is None:
+            raise ValueError("give the scheduler max_prompt_tokens= (the longest prompt the server accepts)")
+        self.bucket = sched.engine.bucket_for(sched.max_prompt_tokens)  # the scheduler's, known before compiling
         self.sched, self.config = sched, config
         self.tokenizer = sched.engine.tokenizer
         self.metrics = Metrics(startup_memory=startup_memory)
@@ -207,9 +210,9 @@ class Server:
         vocab = s.engine.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise bad(f"prompt token ids must lie in [0, {vocab})", "prompt")
-        if len(ids) > s.bucket:
-            raise bad(f"the prompt has {len(ids)} tokens; this server accepts at most {s.bucket} "
-                      "(start it with a larger --max-prompt-tokens)", "prompt", )
+        if len(ids) > self.bucket:
+            raise bad(f"the prompt has {len(ids)} tokens; this server accepts at most {self.bucket} "
+                      "(start it with a larger --max-prompt-tokens)", "prompt")
         m = opts.max_new_tokens if max_tokens is None else max_tokens
         if int(m) != m or not 1 <= m <= opts.max_new_tokens:
             raise bad(f"max_tokens={max_tokens}: must be an integer in [1, {opts.max_new_tokens}] "
