@@ -472,6 +472,58 @@ def test_loadbench_over_http(served, tmp_path):
     wait_until(lambda: idle(server), 10, "the engine to go idle")
 
 
+def test_scheduler_failures_history_and_requested_speculation(served, reference, monkeypatch):
+    """The scheduler under the server, directly (its programs are the served ones): a request that
+    fails at admission ends "failed" and the others finish; after a chunk error `reset_batch` fails
+    the running ones and the queued ones then finish exactly; the history is bounded; a chunk runs
+    the option its requests name, plain while an opted-out one runs."""
+    eng = served[0]
+    s = srv.scheduler_for(eng, method="ngram", spec=SpecConfig(method="ngram", k=4), slots=4, max_tokens=MAX_TOKENS,
+                          max_prompt_tokens=64, chunk=4, history=3)
+    s.prepare()
+    ids = [eng.encode([p])[0] for p in PROMPTS]
+    insert_args = s._insert_args
+    monkeypatch.setattr(s, "_insert_args", lambda slot, req, p: (_ for _ in ()).throw(RuntimeError("bad row"))
+                        if req.ids == ids[0] else insert_args(slot, req, p))
+    rids = [s.submit(x) for x in ids]
+    s.run()
+    reqs = {r.id: r for r in s.requests}
+    assert len(s.requests) == 3 and len(s.chunk_log) <= 3 and not s.live and not s.queue
+    assert rids[0] not in reqs  # evicted from the bounded history; it had failed:
+    for rid, p in zip(rids[1:], PROMPTS[1:]):
+        assert reqs[rid].status == "finished" and reqs[rid].tokens == reference[("completion", p)]
+    s.cancel(rids[0])  # an id no longer known: a no-op
+    monkeypatch.setattr(s, "_insert_args", insert_args)
+
+    first = [s.submit(x) for x in ids[:2]]
+    later = s.submit(ids[2])
+    s.step()  # admits all three, runs a chunk
+    run_loop = s._run_loop
+    monkeypatch.setattr(s, "_run_loop", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        s.step()
+    failed = s.reset_batch("engine error: device lost")
+    assert {r.id for r in failed} == {*first, later} and all(r.status == "failed" for r in failed)
+    monkeypatch.setattr(s, "_run_loop", run_loop)
+    again = s.submit(ids[3])
+    s.run()
+    assert s.live == {} and all(r is None for r in s.slots)
+    assert [r for r in s.requests if r.id == again][0].tokens == reference[("completion", PROMPTS[3])]
+
+    named = s.submit(ids[1], speculation=("ngram", 4))
+    off = s.submit(ids[2], opt_out=True, max_new_tokens=4)
+    s.run()
+    by = {r.id: r for r in s.requests}
+    assert by[named].tokens == reference[("completion", PROMPTS[1])]
+    assert set(by[off].chunks) == {"none"} and "ngram:4" in by[named].chunks
+    reasons = [c.reason for c in s.chunk_log]
+    assert "requested" in reasons
+    with pytest.raises(ValueError, match="speculation"):
+        s.submit(ids[0], speculation=("ngram", 8))
+    with pytest.raises(ValueError, match="seed"):
+        s.submit(ids[0], seed=-1)
+
+
 # ---- SIGTERM: a subprocess running this file as a script ------------------------------------------
 
 def _serve_main(port: int) -> int:
