@@ -161,7 +161,8 @@ class EagleHead(nnx.Module):
             f, d = self.config.num_features, self.config.dim
             x = features.astype(jnp.float32).reshape(features.shape[:-1] + (f, d))
             x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.config.layer.norm_eps)
-            features = (x * self.tap_scale[...].astype(jnp.float32)).reshape(features.shape)
+            scale = self.tap_scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 2) + (f, d))
+            features = (x * scale).reshape(features.shape)
         return features.astype(dt) @ self.fuse[...].astype(dt)
 
     def _input(self, feature, emb):

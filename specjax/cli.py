@@ -369,11 +369,19 @@ def cmd_train_eagle(args) -> int:
     from specjax.train_heads.eagle import EagleTrainConfig, train_eagle
 
     # Everything is checked before the model loads.
+    weights = tuple(float(x) for x in args.step_weights.split(",")) if args.step_weights else None
     cfg = EagleTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                            warmup=args.warmup, weight_decay=args.weight_decay, unroll=args.unroll,
+                           step_weights=weights, b2=args.b2, feature_weight=args.feature_weight,
                            eval_every=args.eval_every, save_every=args.save_every, keep=args.keep, seed=args.seed)
     layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else ()
-    eagle = dict(features=args.features, feature_layers=layers, draft_vocab=args.draft_vocab)
+    eagle = dict(features=args.features, feature_layers=layers, draft_vocab=args.draft_vocab,
+                 input_norm=args.input_norm, rest_class=args.rest_class)
+    if args.cache is not None and not (pathlib.Path(args.cache) / "index.json").is_file():
+        raise ValueError(f"--cache {args.cache}: no feature cache there (index.json missing); build one with "
+                         "`specjax train-heads extract --out DIR`")
+    if args.vocab == "target" and args.cache is None:
+        raise ValueError("--vocab target ranks by the target's argmax, which a feature cache holds: pass --cache")
     if args.features == "final" and layers:
         raise ValueError("--feature-layers is for --features fused")
     if args.conversations is not None and args.conversations < 1 or args.eval_conversations < 1:
@@ -391,8 +399,32 @@ def cmd_train_eagle(args) -> int:
         raise ValueError(f"--init {args.init}: no EAGLE head there (manifest.json missing)")
     train_eagle(args.model, out, eagle=eagle, cfg=cfg, conversations=args.conversations,
                 eval_conversations=args.eval_conversations, max_minutes=args.max_minutes,
-                data=args.data, init=args.init,
+                data=args.data, init=args.init, cache=args.cache, vocab=args.vocab,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
+def cmd_extract(args) -> int:
+    """`specjax train-heads extract`: the frozen target's features over a corpus into a feature cache."""
+    import pathlib
+
+    from specjax.train_heads.eagle import extract_cache
+
+    conversations = 1024 if args.conversations is None else args.conversations
+    if conversations < 1 or args.seq_len < 4 or args.shard_size < 1 or args.forward_batch_size < 1:
+        raise ValueError("--conversations, --shard-size and --forward-batch-size must be >= 1, --seq-len >= 4")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise ValueError(f"--max-minutes={args.max_minutes}: must be > 0")
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    layers = tuple(int(x) for x in args.feature_layers.split(",")) if args.feature_layers else ()
+    if args.features == "final" and layers:
+        raise ValueError("--feature-layers is for --features fused")
+    extract_cache(args.model, out, data=args.data, conversations=conversations, seq_len=args.seq_len,
+                  features=args.features, feature_layers=layers, dtype=args.dtype, shard_size=args.shard_size,
+                  batch_size=args.forward_batch_size, max_minutes=args.max_minutes,
+                  log=lambda m: print(m, file=sys.stderr, flush=True))
     return 0
 
 
@@ -403,9 +435,11 @@ def _tiny_shape():
 
 def cmd_train_heads(args) -> int:
     """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`), or
-    an EAGLE head with `--kind eagle`."""
+    an EAGLE head with `--kind eagle`; `extract` builds a feature cache instead."""
     import pathlib
 
+    if args.action == "extract":
+        return cmd_extract(args)
     defaults = EAGLE_DEFAULTS if args.kind == "eagle" else MEDUSA_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -536,7 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "for); each compiles its programs before /health turns 200")
     sv.set_defaults(func=cmd_serve)
 
-    t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data")
+    t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data (`train-heads "
+                                           "extract`: build a feature cache to train EAGLE heads from)")
+    t.add_argument("action", nargs="?", default="train", choices=["train", "extract"],
+                   help="train (default) or extract: run the target once over the corpus (--data, "
+                        "--conversations, --seq-len, --features) and write its features to --out")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
     t.add_argument("--out", required=True, help="run directory: heads (for --heads), checkpoints, metrics")
     _add_mesh_args(t)
@@ -571,8 +609,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle: complete ShareGPT conversations, or ShareGPT prompts with the target's own "
                         "greedy answers (generated once, cached, shared with medusa's data)")
     t.add_argument("--init", default=None, help="eagle: start from this head directory (fine-tune)")
+    t.add_argument("--cache", default=None, help="eagle: train from this feature cache (train-heads extract)")
+    t.add_argument("--vocab", default=None, choices=["target", "data"],
+                   help="eagle: rank the draft vocabulary by the target's own argmax (needs --cache; its default) "
+                        "or by the training tokens")
+    t.add_argument("--input-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle: RMSNorm the feature and the token embedding (and each fused tap) before fc")
+    t.add_argument("--rest-class", action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle: KL over the draft vocabulary plus the rest-of-vocabulary mass")
+    t.add_argument("--b2", type=float, default=0.95, help="eagle: Adam's second-moment decay")
+    t.add_argument("--feature-weight", type=float, default=0.1, help="eagle: weight of the feature regression")
+    t.add_argument("--step-weights", default=None,
+                   help="eagle: loss weight of each unrolled step, e.g. 1,0.8,0.64 (default 0.8**j)")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="extract: feature dtype")
+    t.add_argument("--shard-size", type=int, default=64, help="extract: sequences per shard (unit of resumption)")
+    t.add_argument("--forward-batch-size", type=int, default=4, help="extract: sequences per target forward")
     t.add_argument("--max-minutes", type=float, default=None,
-                   help="eagle: stop (checkpointed) after this long; run again to continue")
+                   help="eagle/extract: stop (checkpointed / between shards) after this long; run again to continue")
     t.add_argument("--eval-conversations", type=int, default=64, help="of those, held out")
     t.add_argument("--max-new-tokens", type=int, default=128, help="response length (greedy)")
     t.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")

@@ -132,3 +132,65 @@ def test_medusa_rows_from_the_cache(tiny_model, tmp_path):
     assert rows.tokens.tolist() == [4, 5, 6, 9, 10, 11] and rows.starts.tolist() == [0, 3, 6]
     np.testing.assert_allclose(rows.hidden, hidden[[2, 3, 4, 7, 8, 9]], rtol=1e-5, atol=1e-5)
     assert (rows.labels(2)[[2, 5]] == -1).all()  # no label crosses into the next turn
+
+
+def _losses(path):
+    return [(r["step"], r["loss"], r["train"]["acc"]) for r in map(json.loads, (path / "metrics.jsonl")
+                                                                      .read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.parametrize("features", ["final", "fused"])
+def test_training_from_the_cache_equals_training_with_the_target_in_the_step(tiny_model, tiny_config, tmp_path,
+                                                                              features):
+    """Same batches, same loss at every step (fp32 cache: to float rounding), same held-out metrics."""
+    config = EagleConfig.for_model(tiny_config, draft_vocab=40, features=features, input_norm=True,
+                                   rest_class=True)
+    cfg = train.EagleTrainConfig(steps=12, batch_size=4, seq_len=20, lr=3e-3, warmup=2, unroll=2, save_every=6,
+                                 eval_every=1000, log_every=1)
+    items = corpus(24, 5, lo=10, hi=24)
+    fc.extract(tiny_model, items, tmp_path / "cache", taps=config.feature_layers, dtype="float32", shard_size=8,
+               batch_size=4, multiple=8, progress=False, log=lambda m: None)
+    cache = fc.FeatureCache(tmp_path / "cache")
+    ids = fc.target_vocabulary(cache, range(4, 24), config.draft_vocab)
+    plain = train.EagleTrainer(config, tiny_model, train.Sequences.pad(items[4:], cfg.seq_len),
+                               train.Sequences.pad(items[:4], cfg.seq_len), ids, tmp_path / "plain", cfg)
+    cached = train.EagleTrainer(config, tiny_model, fc.CachedSequences(cache, np.arange(4, 24)),
+                                fc.CachedSequences(cache, np.arange(4)), ids, tmp_path / "cached", cfg)
+    before = cached.evaluate()
+    a, b = plain.fit(progress=False), cached.fit(progress=False)
+    la, lb = _losses(tmp_path / "plain"), _losses(tmp_path / "cached")
+    assert len(la) == len(lb) == 12
+    for (sa, xa, acc_a), (sb, xb, acc_b) in zip(la, lb):
+        assert sa == sb and xa == pytest.approx(xb, rel=1e-4, abs=1e-4) and acc_a == acc_b, (la, lb)
+    assert a["acc"] == b["acc"] and a["ce"] == pytest.approx(b["ce"], rel=1e-4)
+    assert lb[-1][1] < lb[0][1] and b["kl"][0] < before["kl"][0]  # and it learns
+    assert min(b["kl"]) >= 0  # rest_class: a true KL
+
+
+def test_killed_cached_run_resumes_to_the_same_loss_curve(tiny_model, tiny_config, tmp_path):
+    config = EagleConfig.for_model(tiny_config, draft_vocab=40, input_norm=True)
+    cfg = train.EagleTrainConfig(steps=16, batch_size=4, seq_len=20, lr=3e-3, warmup=2, unroll=2, save_every=5,
+                                 eval_every=1000, log_every=1)
+    items = corpus(14, 6, lo=10, hi=24)  # 10 training sequences: 2 batches an epoch, so epochs turn over
+    fc.extract(tiny_model, items, tmp_path / "cache", shard_size=8, batch_size=4, multiple=8, progress=False,
+               log=lambda m: None)
+    cache = fc.FeatureCache(tmp_path / "cache")
+    ids = fc.target_vocabulary(cache, range(4, 14), config.draft_vocab)
+
+    def trainer(name):
+        return train.EagleTrainer(config, tiny_model, fc.CachedSequences(cache, np.arange(4, 14)),
+                                  fc.CachedSequences(cache, np.arange(4)), ids, tmp_path / name, cfg)
+
+    full = trainer("a")
+    full.fit(progress=False)
+    part = trainer("b")
+    part.fit(stop_at=13, progress=False)  # killed after logging step 13; its last checkpoint is step 10
+    part.ckpts.close()
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "13")  # (fit saves at stop_at; the kill came before it)
+    resumed = trainer("b")
+    assert resumed.resume() == 10
+    assert resumed.loader.state() == full.loader.state_at(10) and resumed.loader.state()["epoch"] == 5
+    resumed.fit(progress=False)
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), full.params,
+                 resumed.params)

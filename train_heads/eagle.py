@@ -220,9 +220,9 @@ class Sequences:
     def pad(cls, items: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -> "Sequences":
         toks = np.zeros((len(items), seq_len), np.int32)
         mask = np.zeros((len(items), seq_len), bool)
-        for i, (t, m) in enumerate(items):
-            toks[i, : len(t)] = t
-            mask[i, : len(m)] = m
+        for i, (t, m) in enumerate(items):  # longer sequences are cut
+            toks[i, : len(t)] = t[:seq_len]
+            mask[i, : len(m)] = m[:seq_len]
         return cls(toks, mask)
 
     def __len__(self) -> int:
@@ -272,6 +272,24 @@ def num_rows(mask: np.ndarray) -> int:
     return int(min(-(-n // unit) * unit, b * (t - 2)))
 
 
+def soft_cross_entropy(logits, rest_logit, log_p):
+    """(cross-entropy, entropy of the target, log q over the draft vocabulary) per row.
+
+    `log_p` [N, Vd]: the target's log-probabilities of the draft tokens (not renormalised); the rest of
+    its mass, 1 - sum(p), is one more class when `rest_logit` [N] is given (the head's score for "a
+    token outside the draft vocabulary"), so cross-entropy minus entropy is KL over Vd + 1 classes.
+    Without it the rest mass is not asked for (p is not renormalised)."""
+    p = jnp.exp(log_p)
+    ent = -jnp.sum(p * log_p, axis=-1)
+    if rest_logit is None:
+        lq = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(p * lq, axis=-1), ent, lq
+    rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
+    ent = ent - jnp.where(rest > 0, rest * jnp.log(jnp.where(rest > 0, rest, 1.0)), 0.0)
+    lq_all = jax.nn.log_softmax(jnp.concatenate([logits, rest_logit[:, None]], axis=-1), axis=-1)
+    return -jnp.sum(p * lq_all[:, :-1], axis=-1) - rest * lq_all[:, -1], ent, lq_all[:, :-1]
+
+
 def losses(head: EagleHead, embed, w_ids, ids, teach, tokens, mask, key, cfg: EagleTrainConfig,
            *, noise: float, rows: int):
     """(loss, metrics) of a batch; metrics are sums per unrolled step (divide by `count`).
@@ -301,26 +319,15 @@ def losses(head: EagleHead, embed, w_ids, ids, teach, tokens, mask, key, cfg: Ea
 
     h_next = at_next(hidden).astype(jnp.float32)
     log_p = jnp.einsum("ND,VD->NV", h_next, w_ids.astype(jnp.float32)) - at_next(lse)[:, None]
-    p = jnp.exp(log_p)
-    rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
-    ent = -jnp.sum(p * log_p, axis=-1)
-    if head.config.rest_class:
-        ent = ent - jnp.where(rest > 0, rest * jnp.log(jnp.where(rest > 0, rest, 1.0)), 0.0)
+    log_p = jnp.where(live[:, None], log_p, -30.0)  # padding rows (row 0 repeated): finite, and weighed 0
     top_next, feat_next = at_next(top), at_next(target_feat)
 
     total = 0.0
     ce, kl, acc, feat, count = [], [], [], [], []
     for j, out in enumerate(outs):
         o = out[:, :m].reshape(b * m, -1)[idx]
-        logits = head.logits(o, w_ids).astype(jnp.float32)
-        if head.config.rest_class:
-            lq_all = jax.nn.log_softmax(
-                jnp.concatenate([logits, head.rest_logit(o).astype(jnp.float32)[:, None]], axis=-1), axis=-1)
-            lq = lq_all[:, :-1]
-            c = -jnp.sum(p * lq, axis=-1) - rest * lq_all[:, -1]
-        else:
-            lq = jax.nn.log_softmax(logits, axis=-1)
-            c = -jnp.sum(p * lq, axis=-1)
+        rest_logit = head.rest_logit(o).astype(jnp.float32) if head.config.rest_class else None
+        c, ent, lq = soft_cross_entropy(head.logits(o, w_ids).astype(jnp.float32), rest_logit, log_p)
         fl = jnp.mean(optax.huber_loss(o.astype(jnp.float32), feat_next), axis=-1)
         hit = (jnp.take(ids, jnp.argmax(lq, axis=-1)) == top_next).astype(jnp.float32)
         valid = (live & (pos >= j)).astype(jnp.float32)
@@ -527,7 +534,7 @@ def corpus(engine, data: str, n: int, seq_len: int, *, log=print) -> list[tuple[
 
 def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt", conversations: int = 1024,
                   seq_len: int = 2048, features: str = "final", feature_layers: Sequence[int] = (),
-                  dtype: str = "bfloat16", shard_size: int = 64, batch_size: int = 4,
+                  dtype: str = "bfloat16", shard_size: int = 64, batch_size: int = 4, multiple: int = 256,
                   max_minutes: float | None = None, progress: bool = True, log=print) -> dict:
     """`specjax train-heads extract`: the corpus's target side into a feature cache at `out`
     (`specjax.train_heads.cache`); run again to resume. Returns the index."""
@@ -552,14 +559,15 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
         index = None
         while time.perf_counter() < deadline:
             index = cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype,
-                                  shard_size=shard_size, batch_size=batch_size, max_shards=per_shard or 1,
+                                  shard_size=shard_size, batch_size=batch_size, multiple=multiple,
+                                  max_shards=per_shard or 1,
                                   progress=progress, log=log)
             per_shard = 1
             if index["complete"]:
                 break
         return index
     return cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype, shard_size=shard_size,
-                         batch_size=batch_size, progress=progress, log=log)
+                         batch_size=batch_size, multiple=multiple, progress=progress, log=log)
 
 
 def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dict | None = None,
