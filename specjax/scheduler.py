@@ -19,6 +19,11 @@ controller learns what prompt lookup would have kept whatever option ran. Every 
 batch, insert per bucket, release, one loop per option) compiles once through `Engine.program`, so
 `Engine.compile_count` tracks them.
 
+The scheduler is not thread-safe (slot operations donate the batch state): a server runs it in one
+engine thread and sends it submits and cancels as messages (`specjax.server`). A request that fails
+at admission ends "failed" alone; after an error inside a chunk, `reset_batch` fails the running
+requests and starts an empty batch. `history=` bounds the request list and the chunk log.
+
 Example:
   >>> sched = Scheduler(eng, slots=4, spec="auto", opts=GenerateOptions(max_new_tokens=64))
   >>> for p in prompts:
