@@ -182,6 +182,11 @@ def spec_for(method: str, args, engine=None):
 
 def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
+    if getattr(args, "verify_profile", False):
+        from specjax import verify_profile
+
+        verify_profile.main([args.model], repeats=max(args.repeats or 1, 15), json_path=args.json_path)
+        return 0
     from specjax.engine import Engine, GenerateOptions
     from specjax.prompts import bench_prompts, check_output_paths
 

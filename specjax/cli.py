@@ -500,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=1, help="prompts per compiled batch")
     b.add_argument("--repeats", type=int, default=1, help="runs over all prompts, interleaved")
     b.add_argument("--hf", action="store_true", help="also time HF transformers' plain loop (oracle extra)")
+    b.add_argument("--verify-profile", action="store_true",
+                   help="instead: what 1/4/5/9/16-row products and forwards cost per matmul, beside the memory "
+                        "and compute floors (random weights of --model's shape; see specjax.verify_profile)")
     b.set_defaults(func=cmd_bench)
 
     lb = sub.add_parser("loadbench", help="load test: methods x concurrency through the continuous-"

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from specjax.models import gguf_loader, hf_loader, loader, registry
+from specjax.models import gguf_loader, hf_loader, linear, loader, registry
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import GGUFError
 from specjax.models.kv_cache import KVCache
@@ -57,9 +57,11 @@ def random_model(config: ModelConfig, seed: int):
 
 
 def flat_weights(model) -> dict[str, np.ndarray]:
-    """`{"layers.0.attn.wq": array}`: the names `loader.model_from_weights` takes."""
+    """`{"layers.0.attn.wq": array}`: the names (and the [K, N] form) `loader.model_from_weights` takes,
+    whichever layout the model stores (`specjax.models.linear`)."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}
+    return {".".join(map(str, path)): np.asarray(v[...]).T if v.get_metadata().get("dense_layout") == "nk"
+            else np.asarray(v[...]) for path, v in flat}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -87,7 +89,9 @@ def source_logits(sources):
 
 def _assert_same_config(loaded: ModelConfig, source: ModelConfig):
     assert loaded.norm_eps == pytest.approx(source.norm_eps, rel=1e-6)  # GGUF stores it as float32
-    assert dataclasses.replace(loaded, name=source.name, norm_eps=source.norm_eps) == source
+    assert loaded.weight_layout == linear.preferred_layout()  # the load-time layout choice
+    assert dataclasses.replace(loaded, name=source.name, norm_eps=source.norm_eps,
+                               weight_layout=source.weight_layout) == source
 
 
 def _byte_alphabet() -> list[str]:
