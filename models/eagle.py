@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -116,9 +117,23 @@ def target_features(target: llama.Llama, config: EagleConfig, tokens: Int[Array,
 def lm_rows(target: llama.Llama, ids: Int[Array, "Vd"]) -> Float[Array, "Vd D"]:
     """The target's LM head restricted to the draft vocabulary, as rows `[Vd, D]` (tied or not)."""
     if target.config.tie_embeddings:
-        return jnp.take(target.embed[...], ids, axis=0)
+        return jnp.take(target.embed[...], ids, axis=0, mode="clip")
     rows = linear.as_rows(target.lm_head[...], target.config.weight_layout)  # [V, D] in either layout
-    return jnp.take(rows, ids, axis=0)
+    return jnp.take(rows, ids, axis=0, mode="clip")
+
+
+def check_draft_ids(ids, vocab_size: int, *, what: str = "draft_ids", fix: str = "") -> np.ndarray:
+    """`ids` as a 1-D int32 array when every entry is a token id in [0, vocab_size); otherwise one
+    ValueError naming `what` (say, the file they came from), the first bad id and the vocabulary."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must be a non-empty list of integer token ids (got shape {arr.shape}, "
+                         f"dtype {arr.dtype}){fix}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{what} holds token id {int(bad[0])} outside the target's vocabulary of {vocab_size} "
+                         f"(ids 0..{vocab_size - 1}){fix}")
+    return arr.astype(np.int32)
 
 
 def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T FD"]:

@@ -18,8 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.heads_io import save_atomically
+from specjax.models.eagle import EagleConfig, EagleHead, check_draft_ids
+from specjax.models.heads_io import params_path, save_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = "specjax-eagle-head/1"
@@ -51,7 +51,7 @@ def head_from_params(config: EagleConfig, params: dict) -> EagleHead:
 
 def save_head(path: str | os.PathLike, head: EagleHead, draft_ids, manifest: dict) -> None:
     """Saves `head`, its draft vocabulary and `manifest` (needs `model` and `weights_id`) into `path`."""
-    ids = np.asarray(draft_ids, np.int32)
+    ids = check_draft_ids(draft_ids, head.config.vocab_size, fix=": a draft vocabulary holds token ids of the target")
     if ids.shape != (head.config.draft_vocab,):
         raise ValueError(f"draft_ids has shape {ids.shape}; the head's draft vocabulary is {head.config.draft_vocab}")
     save_atomically(path, dict(head=params_of(head), draft_ids=ids),
@@ -76,7 +76,8 @@ def load_head(path: str | os.PathLike, *, model_name: str | None = None,
               weights_id: str | None = None) -> tuple[EagleHead, np.ndarray, dict]:
     """(head, draft_ids, manifest) from a directory written by `save_head`.
 
-    Raises ValueError when it is not an EAGLE head or was trained for another target.
+    Raises ValueError when it is not an EAGLE head, was trained for another target, names a
+    checkpoint outside its directory, or its draft vocabulary holds an id outside the vocabulary.
     """
     path = pathlib.Path(path)
     manifest = read_manifest(path)
@@ -84,11 +85,14 @@ def load_head(path: str | os.PathLike, *, model_name: str | None = None,
         if have is not None and manifest.get(key) not in (None, have):
             raise ValueError(f"the EAGLE head in {path} was trained for {key}={manifest.get(key)!r}, the loaded "
                              f"target has {have!r}: train a head for this target (specjax train-heads --kind eagle)")
+    checkpoint = params_path(path, manifest.get("params"))
     config = EagleConfig.from_dict(manifest["eagle_config"])
     abstract = dict(
         head=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           nnx.to_pure_dict(nnx.state(abstract_head(config), nnx.Param))),
         draft_ids=jax.ShapeDtypeStruct((config.draft_vocab,), jnp.int32))
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore((path / manifest["params"]).resolve(), abstract)
-    return head_from_params(config, params["head"]), np.asarray(params["draft_ids"]), manifest
+        params = ckptr.restore(checkpoint, abstract)
+    ids = check_draft_ids(np.asarray(params["draft_ids"]), config.vocab_size, what=f"draft_ids in {checkpoint}",
+                          fix="; re-copy the head directory or retrain it (specjax train-heads --kind eagle)")
+    return head_from_params(config, params["head"]), ids, manifest

@@ -102,7 +102,7 @@ class MedusaHeads(nnx.Module):
         """Logits of every head; `tokens` (the token at t + 1) only for `token_input` heads."""
         emb = None
         if self.config.token_input and tokens is not None:
-            emb = jnp.take(base.embed[...], tokens, axis=0)
+            emb = jnp.take(base.embed[...], tokens, axis=0, mode="clip")  # no NaN for any id
         f = self.features(hidden, emb)
         if self.config.own_projection:
             return jnp.einsum("...MD,MDV->...MV", f, self.proj[...].astype(f.dtype))

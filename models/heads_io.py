@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
 MANIFEST = "manifest.json"
@@ -85,8 +86,10 @@ def save_heads(path: str | os.PathLike, heads: MedusaHeads, manifest: dict) -> N
 def save_atomically(path: str | os.PathLike, tree, manifest: dict, old: dict | None) -> None:
     """Writes `tree` (orbax) under a fresh `params-*` name, then replaces `manifest.json` (which
     names it), then removes the checkpoint the `old` manifest named: a reader sees the old set or
-    the new one, never a mix. The manifest must be JSON-serialisable; that fails before any write."""
+    the new one, never a mix. The manifest must be JSON-serialisable; that fails before any write,
+    and so does an `old` manifest whose `params` lies outside `path` (nothing outside is removed)."""
     path = pathlib.Path(path).resolve()
+    stale = params_path(path, old["params"]) if old and old.get("params") is not None else None
     path.mkdir(parents=True, exist_ok=True)
     params_dir = f"params-{uuid.uuid4().hex[:12]}"
     text = json.dumps(dict(manifest, params=params_dir), indent=1, sort_keys=True)
@@ -96,8 +99,29 @@ def save_atomically(path: str | os.PathLike, tree, manifest: dict, old: dict | N
     tmp = path / f".{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(text)
     os.replace(tmp, path / MANIFEST)
-    if old and old.get("params") and old["params"] != params_dir:
-        shutil.rmtree(path / old["params"], ignore_errors=True)
+    if stale is not None and stale != path / params_dir:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def params_path(directory: str | os.PathLike, name) -> pathlib.Path:
+    """The checkpoint a manifest in `directory` names (`params`), resolved; it must lie inside
+    `directory` (symbolic links followed), so that nothing outside is read or removed.
+
+    Raises:
+      ValueError: `name` is not a relative path to something below `directory` (`../x`, an absolute
+        path, the directory itself, a link out of it).
+    """
+    base = pathlib.Path(directory).resolve()
+    try:
+        ok = isinstance(name, str) and bool(name) and not os.path.isabs(name)
+        target = (base / name).resolve() if ok else None
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+        ok = False
+    if not ok or base not in target.parents:
+        raise ValueError(f"{base / MANIFEST} names params={name!r}, which is not inside {base}: a manifest "
+                         "names a checkpoint in its own directory (params-<id>), and nothing outside it is "
+                         "read or removed. Re-copy the directory, or remove its manifest.json to save anew")
+    return target
 
 
 def load_heads(path: str | os.PathLike, *, model_name: str | None = None,
@@ -116,17 +140,41 @@ def load_heads(path: str | os.PathLike, *, model_name: str | None = None,
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
     _check_target(path, manifest, model_name, weights_id)
+    checkpoint = params_path(path, manifest["params"])
     try:
         config = HeadsConfig(**manifest["heads_config"])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                               nnx.to_pure_dict(nnx.state(abstract_heads(config), nnx.Param)))
         with ocp.StandardCheckpointer() as ckptr:
-            params = ckptr.restore((path / manifest["params"]).resolve(), target)
+            params = ckptr.restore(checkpoint, target)
         return heads_from_params(config, params), manifest
     except Exception as e:  # orbax raises many kinds; they all mean the same thing here
         raise ValueError(f"Medusa heads checkpoint at {path} is corrupt or incomplete "
                          f"({type(e).__name__}: {str(e)[:200]}); re-copy it or retrain with "
                          "`specjax train-heads`") from e
+
+
+def load_extras(path: str | os.PathLike, vocab_size: int) -> dict:
+    """What `specjax tune-heads` wrote beside the heads: `vocab` (token ids the heads may propose,
+    from `vocab.json`) and `tree` (the tuned candidate tree, from `tree.json`); None where absent.
+
+    Raises:
+      ValueError: a file that is not JSON, or a vocabulary that is not token ids in [0, vocab_size);
+        the message names the file (and the first bad id).
+    """
+    out = {}
+    for name in ("vocab", "tree"):
+        f = pathlib.Path(path) / f"{name}.json"
+        try:
+            out[name] = json.loads(f.read_text()) if f.is_file() else None
+        except ValueError as e:
+            raise ValueError(f"{f} is not valid JSON ({e}); re-run `specjax tune-heads` or delete it") from None
+    if out["vocab"] is not None:
+        fix = "; re-run `specjax tune-heads` for these heads or delete the file"
+        vocab = out["vocab"] if isinstance(out["vocab"], list) else None  # np.asarray would take a dict whole
+        ids = check_draft_ids(vocab, vocab_size, what=str(pathlib.Path(path) / "vocab.json"), fix=fix)
+        out["vocab"] = tuple(int(t) for t in ids)
+    return out
 
 
 def _read_manifest(path: pathlib.Path, *, missing_ok: bool = False) -> dict | None:

@@ -232,7 +232,7 @@ class Llama(nnx.Module):
             start = positions[:, 0]
         t = tokens.shape[1]
         mask = kv_cache.attention_mask(start, t, cache.length, window_mask)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.config.compute_dtype)  # no NaN row
         x = sharding.constrain(x, ("batch", None, "embed"))
         ks, vs, tapped = [], [], {}
         for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, cache.k, cache.v)):

@@ -217,12 +217,8 @@ class Engine:
 
         path = self._shipped_or(path, heads_io.shipped_heads_dir, "no Medusa heads are", "", "--heads")
         heads, manifest = heads_io.load_heads(path, model_name=self.name, weights_id=self.weights_id)
-        extra = {}
-        for name in ("vocab", "tree"):  # optional, written by `specjax tune-heads`
-            f = pathlib.Path(path) / f"{name}.json"
-            if f.is_file():
-                extra[name] = json.loads(f.read_text())
-        self.set_heads(heads, manifest, vocab_subset=extra.get("vocab"), tree=extra.get("tree"))
+        extra = heads_io.load_extras(path, heads.config.vocab_size)  # vocab.json, tree.json: checked
+        self.set_heads(heads, manifest, vocab_subset=extra["vocab"], tree=extra["tree"])
 
     def set_heads(self, heads: nnx.Module, manifest: dict | None = None,
                   vocab_subset: Sequence[int] | np.ndarray | None = None,

@@ -19,6 +19,10 @@ wrote it (`owner`), the slot hash is salted with it, and a row reads only entrie
 tenant: one tenant's text is never proposed to another. A server that means to share the table
 gives every row the same tenant.
 
+Every id the table holds is a committed token, or -1 in an empty key (never equal to a real
+n-gram, so an empty slot's zero followers are never read): drafts from the table are in the
+vocabulary by construction.
+
 Drafts read from the table are a function of committed text (this row's and other rows'), never of
 this step's randomness, so greedy output stays identical to plain decoding and sampling stays
 lossless with the one-hot rule, whatever the table holds (collisions and eviction included).

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
@@ -93,7 +92,8 @@ class EagleProposer:
         if hc.dim != tc.dim or hc.vocab_size != tc.vocab_size:
             raise ValueError(f"the EAGLE head is for dim {hc.dim} / vocab {hc.vocab_size}, the model has dim "
                              f"{tc.dim} / vocab {tc.vocab_size}: train a head for this model")
-        ids = np.asarray(draft_ids, np.int32)
+        ids = eagle_model.check_draft_ids(draft_ids, tc.vocab_size, what="the EAGLE head's draft_ids",
+                                          fix=": a draft vocabulary holds token ids of this model")
         if draft_vocab is not None:
             if not 1 <= draft_vocab <= len(ids):
                 raise ValueError(f"draft_vocab={draft_vocab}: the head proposes from {len(ids)} tokens; "
@@ -146,7 +146,7 @@ class EagleProposer:
         nxt = state.tokens[:, 1: p + 1]  # token t + 1 at entry t (the first new token after the prompt)
         cache = head.cache(b, state.capacity + self.scratch)
         zero = jnp.zeros((b,), jnp.int32)
-        out, cache = head(head.lift(hidden), jnp.take(params.embed, nxt, axis=0),
+        out, cache = head(head.lift(hidden), jnp.take(params.embed, nxt, axis=0, mode="clip"),
                           jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)), zero,
                           attention_mask(zero, p, cache.length), cache)
         feature = jnp.take_along_axis(out, (inputs.prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -162,7 +162,7 @@ class EagleProposer:
         cols = jnp.minimum(start[:, None] + 1 + jnp.arange(width)[None], state.capacity - 1)
         toks = jnp.take_along_axis(state.tokens, cols, axis=1)
         positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-        out, cache = head(head.lift(feats), jnp.take(params.embed, toks, axis=0), positions, start,
+        out, cache = head(head.lift(feats), jnp.take(params.embed, toks, axis=0, mode="clip"), positions, start,
                           attention_mask(start, width, pstate.cache.length), pstate.cache)
         feature = jnp.take_along_axis(out, accepted.n[:, None, None], axis=1)[:, 0]
         return EagleState(cache=cache, feature=feature)
@@ -193,7 +193,8 @@ class EagleProposer:
             tokens.append(tok)
             if i + 1 < self.k:  # the entry of the token just drafted, at position lengths - 1 + i
                 pos = state.lengths - 1 + i
-                out, cache = head(feat[:, None], jnp.take(params.embed, tok, axis=0)[:, None], pos[:, None], pos,
+                out, cache = head(feat[:, None], jnp.take(params.embed, tok, axis=0, mode="clip")[:, None],
+                                  pos[:, None], pos,
                                   attention_mask(pos, 1, cache.length), cache)
                 feat = out[:, 0]
         draft = jnp.stack(tokens, axis=1)
@@ -221,7 +222,8 @@ class EagleProposer:
             anc = front_anc | own[None]
             mask = jnp.concatenate([jnp.broadcast_to(context, (b, k, s)), anc], axis=-1)
             pos = jnp.broadcast_to((state.lengths - 2 + level)[:, None], (b, k))
-            out, cache = head(front_feat, jnp.take(params.embed, jnp.take(params.ids, front_tok), axis=0), pos,
+            out, cache = head(front_feat, jnp.take(params.embed, jnp.take(params.ids, front_tok), axis=0, mode="clip"),
+                              pos,
                               jnp.full((b,), s + slot0, jnp.int32), mask, cache)
             lp = jax.nn.log_softmax(head.logits(out, params.lm_rows), axis=-1)  # [B, k, Vd]
             cs, ct = sharding.top_k(lp, k)

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax import sharding
 from specjax.config import HEADS_TREE, Tree, chain
+from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import MedusaHeads
 from specjax.models.llama import Llama
 from specjax.state import DecodeState, last_tokens
@@ -87,9 +88,10 @@ class MedusaProposer:
         if depth > hc.num_heads:
             raise ValueError(f"medusa k={depth} (or tree depth) exceeds the {hc.num_heads} trained heads: "
                              f"use k <= {hc.num_heads}")
-        ids = None if hc.own_projection or vocab_subset is None else np.asarray(vocab_subset, np.int64)
-        if ids is not None and (ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= tc.vocab_size):
-            raise ValueError(f"vocab_subset must be a non-empty list of token ids in [0, {tc.vocab_size})")
+        ids = None
+        if not hc.own_projection and vocab_subset is not None:
+            ids = check_draft_ids(vocab_subset, tc.vocab_size, what="vocab_subset",
+                                  fix=": give token ids of this model (the heads' tuned vocab.json)")
         if tree is not None:
             ranks = 1 + max(p[-1] for p in tree)
             limit = tc.vocab_size if ids is None else len(ids)
@@ -132,7 +134,7 @@ class MedusaProposer:
         """Logits of the first k heads at each row's hidden state (`tokens`: the pending token,
         read by heads trained with `token_input`)."""
         heads = nnx.merge(self.graphdef, params.heads)
-        emb = jnp.take(params.embed, tokens, axis=0) if heads.config.token_input else None
+        emb = jnp.take(params.embed, tokens, axis=0, mode="clip") if heads.config.token_input else None
         f = heads.features(hidden, emb)[:, : self.k]  # project only the heads this proposer uses
         if heads.config.own_projection:
             return jnp.einsum("BMD,MDV->BMV", f, heads.proj[...][: self.k].astype(f.dtype))

@@ -6,6 +6,10 @@ followed it. The first n with a match wins. No match proposes the last token K t
 fixed-shape guess that verification simply rejects when wrong). When the state carries a
 cross-request n-gram table (`specjax.ngram_table`), a row with no match in its own context takes
 the followers the table holds for its last n-gram instead.
+
+Every draft is a committed token (columns are clamped to the row's committed length), so drafts
+are in the vocabulary by construction: prompts are checked at the boundary (`Engine.encode`), and
+generated tokens are argmaxes or samples over the target's logits.
 """
 
 from __future__ import annotations
