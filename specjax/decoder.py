@@ -127,11 +127,17 @@ class Inputs:
           contribute: whether each row's text may enter a cross-request n-gram table.
           tenant: each row's scope of that table: a row reads only what rows of its tenant wrote.
         """
+        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
+                                                    for p in prompts):
+            raise ValueError("Inputs.create takes token ids: pass a list of prompts, each a list of ints, "
+                             "e.g. [[1, 2, 3]] (tokenize text first, or use Engine.generate([\"text\"]))")
         n = len(prompts)
         if n == 0:
             raise ValueError("no prompts given")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a prompt is empty: give at least one token")
+        if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size}: must be an integer >= 1 (or None: one row per prompt)")
         b = n if batch_size is None else int(batch_size)
         if b < n:
             raise ValueError(f"{n} prompts for batch_size={b}: split them")
@@ -153,6 +159,9 @@ class Inputs:
         tokens = np.zeros((b, p), np.int32)
         for r, x in enumerate(rows):
             tokens[r, : len(x)] = x
+        if (tokens < 0).any():
+            raise ValueError(f"prompt {int(np.argmax((tokens < 0).any(axis=1)))} has a negative token id: "
+                             "token ids lie in [0, vocab_size)")
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         stop[:, : len(stops)] = stops
         fill = lambda name, pad_value: np.asarray(per_row[name] + [pad_value] * pad)

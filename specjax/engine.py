@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import pathlib
 import time
 import warnings
@@ -36,6 +37,30 @@ DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 def _values(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _prompt_list(prompts) -> list:
+    """`prompts` as a list; one string (which would decode one prompt per character) is refused."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"prompts is one string: pass a list of prompts, e.g. [{prompts[:40]!r}]")
+    try:
+        return list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts={prompts!r}: pass a list of prompts (strings or lists of token ids)") from None
+
+
+def _positive_int(name: str, value, *, none_means: str | None = None) -> int | None:
+    """`value` as an int >= 1 (None passes when `none_means` says what it means)."""
+    if value is None and none_means is not None:
+        return None
+    try:
+        ok = operator.index(value) >= 1 and not isinstance(value, bool)
+    except TypeError:
+        ok = False
+    if not ok:
+        alt = f" (or None: {none_means})" if none_means else ""
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1{alt}")
+    return operator.index(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -293,7 +318,7 @@ class Engine:
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
         """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
         out = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(_prompt_list(prompts)):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("this Engine has no tokenizer: pass token ids, not strings")
@@ -303,7 +328,11 @@ class Engine:
                 else:
                     ids = self.tokenizer.encode(p)
             else:
-                ids = [int(t) for t in p]
+                try:
+                    ids = [operator.index(t) for t in p]
+                except TypeError:
+                    raise ValueError(f"prompt {i} is {p!r}: each prompt is a string or a list of integer token "
+                                     "ids; pass a list of prompts, e.g. [[1, 2, 3]] or [\"text\"]") from None
             if not ids:
                 raise ValueError(f"prompt {i} is empty: give at least one token or character")
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -370,6 +399,7 @@ class Engine:
         Row r's random stream is `fold_in(key(opts.seed), row_offset + r)`. Every check runs before
         anything is compiled, so bad input fails fast.
         """
+        batch_size = _positive_int("batch_size", batch_size, none_means="one row per prompt")
         ids = self.check(prompts, opts, chat=chat)
         b = batch_size or self.rows_for(len(ids))
         if len(ids) > b:
@@ -406,7 +436,8 @@ class Engine:
             per prompt), seed, stop_ids. Prompt i draws the random stream of global row i.
         """
         opts = GenerateOptions(**kw)
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
+        batch_size = _positive_int("batch_size", batch_size, none_means="all prompts in one batch")
         if not prompts:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
@@ -465,6 +496,7 @@ class Batch:
 
     def decode(self, steps: int | None = None) -> State:
         """Runs the loop until all rows are done, or for at most `steps` forwards."""
+        steps = _positive_int("steps", steps, none_means="run to the end")
         forwards = int(self.view()[0].forwards)
         stop_at = np.int32(core.RUN_TO_END if steps is None else forwards + steps)
         t0 = time.perf_counter()
@@ -484,6 +516,9 @@ class Batch:
 
     def stream(self, chunk: int = 8) -> Iterator[list[list[int]]]:
         """Yields, per chunk of decode steps, the new token ids of each row."""
+        return self._stream(_positive_int("chunk", chunk))  # checked now, not at the first next()
+
+    def _stream(self, chunk: int) -> Iterator[list[list[int]]]:
         self.prefill()
         seen = self.view()[0].prompt_lengths
         while True:
