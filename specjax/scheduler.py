@@ -537,10 +537,7 @@ class Scheduler:
 
         Returns False when nothing is running and nothing is queued.
         """
-        self.prepare()
-        if self._t0 is None:
-            self._t0 = self.clock()
-        self._admit()
+        self.admit()
         active = [r for r in self.slots if r is not None]
         if not active:
             if not self.queue:
@@ -562,6 +559,15 @@ class Scheduler:
         """The next chunk's option: plain while an opted-out request runs; the option the running
         requests name, when they name one (plain when they name different ones); else the fixed
         spec or the controller's choice."""
+    def admit(self) -> None:
+        """Admits arrived requests into free slots: each gets its first token from its prefill.
+        `step` does this before its chunk; a server calls it first, to stream the first tokens
+        before the chunk runs."""
+        self.prepare()
+        if self._t0 is None:
+            self._t0 = self.clock()
+        self._admit()
+
         if PLAIN in self.options and any(r.opt_out for r in active):
             if self.controller is not None:
                 return self.controller.choose([r.id for r in active])  # its own "opt_out" plan

@@ -353,6 +353,28 @@ def test_queue_full_gives_429_with_retry_after(served, monkeypatch):
     wait_until(lambda: idle(server), 20, "the engine to go idle")
 
 
+def test_first_token_streams_before_the_first_chunk(served, monkeypatch):
+    """The first token (from the prefill) reaches the client before the chunk after it has run."""
+    eng, server, url = served
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    decode_chunk = server.sched._decode_chunk
+
+    def slow_chunk(*a):
+        time.sleep(2.0)
+        return decode_chunk(*a)
+
+    monkeypatch.setattr(server.sched, "_decode_chunk", slow_chunk)
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "stream": True, "speculation": "off"}
+    t0, first = time.perf_counter(), None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    assert first < 1.5 and total > 2.0, (first, total)
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
 def test_deadline_ends_with_timeout(served, client, monkeypatch):
     eng, server, url = served
     step = server.sched.step

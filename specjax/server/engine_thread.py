@@ -163,6 +163,8 @@ class EngineThread:
             self._expire()
             if s.live:
                 try:
+                    s.admit()
+                    self._publish()  # first tokens go out before the chunk runs
                     s.step()
                 except Exception as e:  # a device (or host) error inside a chunk
                     msg = f"engine error while decoding: {type(e).__name__}: {e}"
