@@ -35,6 +35,9 @@ from specjax.server.metrics import Metrics, memory_added, memory_now
 from specjax.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
+MAX_TASKS = 64  # task classes kept apart (per-class acceptance); later ones count as "other"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Server settings.
@@ -97,6 +100,7 @@ class Server:
                                    on_end=self.metrics.on_end, on_ready=lambda: self.metrics.record_startup(
                                        "caches_and_programs", memory_added(loaded, memory_now())))
         self._tenants: dict[str, int] = {}
+        self._task_names: set[str] = set()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -205,6 +209,8 @@ class Server:
         s, opts = self.sched, self.sched.opts
         if body.n != 1:
             raise bad(f"n={body.n}: only n=1 is supported", "n")
+        if body.logprobs or body.top_logprobs:
+            raise bad("logprobs are not supported by this server", "logprobs")
         if not ids:
             raise bad("the prompt is empty", "prompt")
         vocab = s.engine.config.vocab_size
@@ -238,6 +244,11 @@ class Server:
         task = body.task or request.headers.get("x-task")
         if task is not None and len(task) > 64:
             raise bad("task: at most 64 characters", "task")
+        if task is not None and task not in self._task_names:  # per-class statistics stay bounded
+            if len(self._task_names) >= MAX_TASKS:
+                task = "other"
+            else:
+                self._task_names.add(task)
         kw = dict(max_new_tokens=int(m), task=task, contribute=body.contribute,
                   temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                   stop_ids=stop_ids, tenant=self.tenant(request, body.user))

@@ -69,6 +69,8 @@ class _Common(BaseModel):
     contribute: bool = True
     timeout: float | None = None
     return_token_ids: bool = False
+    logprobs: bool | int | None = None  # not supported: refused when asked for
+    top_logprobs: int | None = None
 
 
 class ChatMessage(BaseModel):
