@@ -469,7 +469,7 @@ def cmd_train_heads(args) -> int:
     train_heads(args.model, out, heads=heads, config=config, conversations=args.conversations,
                 eval_conversations=args.eval_conversations, max_new_tokens=args.max_new_tokens,
                 max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
-                log=lambda m: print(m, file=sys.stderr, flush=True), mesh=mesh_arg(args))
+                log=lambda m: print(m, file=sys.stderr, flush=True), mesh=mesh_arg(args), cache=args.cache)
     return 0
 
 

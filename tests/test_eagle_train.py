@@ -201,3 +201,26 @@ def test_cli_fused_features_default_their_layers_from_the_model(tmp_path, monkey
     monkeypatch.setattr(Engine, "load", load)
     with pytest.raises(Loaded):
         cli.main(["train-heads", "--kind", "eagle", "--features", "fused", "--out", str(tmp_path)])
+
+
+def test_eagle_resume_into_another_runs_directory_and_a_nan_loss(tiny_model, tiny_config, config, tmp_path):
+    data, held = copy_task(8, 16, 0), copy_task(4, 16, 1)
+    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    cfg = small_cfg(steps=6, save_every=2, log_every=1)
+    run = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path, cfg)
+    run.fit(stop_at=3, progress=False)
+    files = lambda: {str(f): f.read_bytes() for f in sorted((tmp_path / "checkpoints").rglob("*")) if f.is_file()}
+    before = files()
+    # a head with normalised inputs has parameters the saved run lacks
+    other = train.EagleTrainer(dataclasses.replace(config, input_norm=True), tiny_model, data, held, ids, tmp_path, cfg)
+    with pytest.raises(ValueError, match=r"other shapes \(params/embed_norm/scale: \(32,\) here, absent in the "
+                                         r"checkpoint.*choose another --out or pass --init"):
+        other.resume()
+    other.ckpts.close()
+    assert files() == before
+    # the target's embedding turned NaN from step 4 on: the run stops there, saving nothing
+    run.frozen = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, run.frozen)
+    with pytest.raises(ValueError, match=r"loss is nan at step 4.*last good checkpoint, step 3"):  # fit saved at stop_at
+        run.fit(progress=False)
+    run.ckpts.close()
+    assert files() == before and run.step == 3

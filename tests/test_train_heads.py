@@ -111,6 +111,43 @@ def test_resume_refuses_other_settings(tiny_model, cycle, tmp_path):
         _run(tiny_model, cycle[0], tmp_path, dataclasses.replace(config, lr=0.5))
 
 
+def _files(path: pathlib.Path) -> dict:
+    """Every file under `path` with its bytes and modification time."""
+    return {str(f.relative_to(path)): (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(path.rglob("*"))
+            if f.is_file()}
+
+
+def test_resume_into_another_runs_directory_names_the_shapes_and_touches_nothing(tiny_model, cycle, tmp_path):
+    config = TrainConfig(steps=4, batch_size=16, warmup=1, save_every=2)
+    _run(tiny_model, cycle[0], tmp_path, config)  # two heads
+    before = _files(tmp_path / "checkpoints")
+    other = Trainer(HeadsConfig.for_model(tiny_model.config, num_heads=3), tiny_model, cycle[0], None, tmp_path,
+                    config)
+    with pytest.raises(ValueError, match=r"holds a run with other shapes \(params/b: \(3, 1, 32\) here, "
+                                         r"\(2, 1, 32\) in the checkpoint.*choose another --out or pass --init"):
+        other.resume()
+    other.ckpts.close()
+    assert _files(tmp_path / "checkpoints") == before  # nothing renamed .corrupt, nothing rewritten
+    assert _run(tiny_model, cycle[0], tmp_path, config).step == 4  # the run itself still resumes
+
+
+def test_a_nan_loss_stops_training_with_the_step_and_keeps_the_last_good_checkpoint(tiny_model, cycle, tmp_path):
+    config = TrainConfig(steps=8, batch_size=16, warmup=1, save_every=2, log_every=1)
+    t = Trainer(HeadsConfig.for_model(tiny_model.config, num_heads=2), tiny_model, cycle[0], None, tmp_path, config)
+    t.fit(stop_at=3, progress=False)
+    poisoned = dataclasses.replace(cycle[0], hidden=np.full_like(cycle[0].hidden, np.nan))
+    t.data = poisoned  # a loss made NaN on purpose from step 4 on
+    before = _files(tmp_path / "checkpoints")
+    with pytest.raises(checkpoint.NonFiniteLoss, match=r"loss is nan at step 4.*last good checkpoint, step 2"):
+        t.fit(progress=False)
+    t.ckpts.close()
+    assert _files(tmp_path / "checkpoints") == before and t.step == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    resumed = Trainer(HeadsConfig.for_model(tiny_model.config, num_heads=2), tiny_model, cycle[0], None, tmp_path,
+                      config)
+    assert resumed.resume() == 2
+
+
 def test_corrupt_latest_checkpoint_falls_back_and_keeps_previous(tiny_model, cycle, tmp_path):
     config = TrainConfig(steps=6, batch_size=16, warmup=1, save_every=2, keep=3)
     _run(tiny_model, cycle[0], tmp_path, config)

@@ -38,7 +38,8 @@ class NonFiniteLoss(ValueError):
 
 def _shapes(tree) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape) for path, leaf in flat}
+    return {jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"): tuple(leaf.shape)
+            for path, leaf in flat}
 
 
 class TrainCheckpoints:
@@ -99,7 +100,8 @@ class TrainCheckpoints:
         ours = _shapes(abstract_state)
         if theirs != ours:
             diff = [f"{k}: {ours.get(k, 'absent')} here, {theirs.get(k, 'absent')} in the checkpoint"
-                    for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+                    for k in sorted(set(ours) | set(theirs), key=lambda k: (not k.startswith("params"), k))
+                    if ours.get(k) != theirs.get(k)]  # the parameters first: they name the difference
             more = f"; {len(diff) - 3} more" if len(diff) > 3 else ""
             raise ValueError(f"{self.directory.parent} holds a run with other shapes ({'; '.join(diff[:3])}{more}); "
                              "choose another --out or pass --init")

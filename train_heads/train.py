@@ -8,10 +8,13 @@ default all devices on `data`); parameters and optimiser state are laid out by t
 base's embedding), which is split over `model`. XLA inserts the gradient all-reduce. Checkpoints are
 saved sharded and restored onto whatever mesh the resuming run has.
 
-Resuming is exact: the rows of step s are a pure function of (seed, s) (one seeded permutation per
-epoch), and a checkpoint carries the parameters and the full optimiser state (its step count drives
-the schedule), so a run killed after its last checkpoint and restarted continues as the
-uninterrupted run would.
+Resuming is exact: the rows come from an `EpochLoader` (one seeded permutation per epoch) whose
+position is saved in each checkpoint with the parameters and the full optimiser state (its step count
+drives the schedule), so a run killed after its last checkpoint and restarted continues as the
+uninterrupted run would. A non-finite loss stops the run with its step named, before anything is saved.
+
+The rows come from the self-distilled data (`specjax.train_heads.data`) or from a feature cache
+(`specjax.train_heads.cache.medusa_rows`, `train_heads(cache=...)`).
 """
 
 from __future__ import annotations
@@ -223,6 +226,9 @@ class Trainer(checkpoint.ResumableRun):
                         rows=int(train_data.num_rows), **(run_info or {}))
         self.ckpts = checkpoint.TrainCheckpoints(self.out / "checkpoints", keep=config.keep)
         self.elapsed = 0.0
+        from specjax.train_heads.cache import EpochLoader
+
+        self.loader = EpochLoader(len(self.rows), config.batch_size, config.seed)
 
     @property
     def heads(self) -> MedusaHeads:
@@ -241,12 +247,13 @@ class Trainer(checkpoint.ResumableRun):
         bar = tqdm(total=c.steps, initial=self.step, disable=not progress, desc="train heads", unit="step")
         while self.step < end:
             t0 = time.perf_counter()
-            idx = batch_rows(self.rows, c.batch_size, c.seed, self.step)
+            idx = self.rows[self.loader.next()]
             hidden = sharding.put(self.data.hidden[idx], self.rows_sharding)
             labels = sharding.put(self.labels[idx], self.rows_sharding)
             tokens = sharding.put(self.data.tokens[idx], self.rows_sharding)
             self.params, self.opt_state, m = self.train_step(
                 self.params, self.opt_state, self.base_params, hidden, labels, tokens)
+            self.check_finite(float(sharding.host_view(m["loss"], self.mesh)), self.step + 1)
             self.step += 1
             if self.step % c.log_every == 0 or self.step == end:
                 m = sharding.host_view(m, self.mesh)
@@ -292,7 +299,7 @@ class Trainer(checkpoint.ResumableRun):
 def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dict | None = None,
                 config: TrainConfig = TrainConfig(), conversations: int = 1024, eval_conversations: int = 64,
                 max_new_tokens: int = 128, max_prompt_tokens: int = 256, gen_batch_size: int = 16,
-                progress: bool = True, log=print, mesh: Mesh | None = None) -> dict:
+                progress: bool = True, log=print, mesh: Mesh | None = None, cache=None) -> dict:
     """The whole recipe: self-distilled ShareGPT data (cached), training (resumable), heads in `out`.
 
     Args:
@@ -304,6 +311,9 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
       conversations: ShareGPT prompts to distill; the last `eval_conversations` are held out.
       max_new_tokens, max_prompt_tokens, gen_batch_size: generation of the responses.
       mesh: the training mesh (`specjax.sharding.make_mesh`); default all devices on `data`.
+      cache: a feature cache (`specjax train-heads extract`) to read the rows from instead of the
+        self-distilled data: its first `eval_conversations` sequences are held out, the next
+        `conversations` train (all of them when None).
 
     Returns:
       The manifest saved with the heads (its `metrics` hold the held-out accuracies).
@@ -316,6 +326,9 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
     engine = Engine.load(model)
     if not isinstance(heads, HeadsConfig):
         heads = HeadsConfig.for_model(engine.config, **(heads or {}))
+    if cache is not None:
+        return _train_heads_from_cache(engine, out, heads, config, cache, conversations, eval_conversations,
+                                       progress=progress, log=log, mesh=mesh)
     data_dir = data.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
                                 max_prompt_tokens=max_prompt_tokens)
     log(f"self-distilled data: {data_dir}")
@@ -337,6 +350,37 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
                   train_tokens=int(train_data.num_rows), eval_tokens=int(eval_data.num_rows),
                   prompt_tokens=index["prompt_tokens"], max_new_tokens=max_new_tokens,
                   max_prompt_tokens=max_prompt_tokens, responses="target, greedy, chat template"),
+        train=dataclasses.asdict(config), steps=trainer.step, train_time_s=round(trainer.elapsed, 1),
+        devices=len(trainer.devices), metrics=metrics)
+    checkpoint.save_heads(out, trainer.heads, manifest)
+    log(f"heads saved to {out}: held-out top-1 {metrics.get('top1')}, top-5 {metrics.get('top5')}")
+    return manifest
+
+
+def _train_heads_from_cache(engine, out, heads: HeadsConfig, config: TrainConfig, cache, conversations,
+                            eval_conversations: int, *, progress, log, mesh) -> dict:
+    from specjax.train_heads import cache as feature_cache
+
+    fc = feature_cache.FeatureCache(cache)
+    if (fc.meta.get("model"), fc.meta.get("weights_id")) != (engine.name, engine.weights_id):
+        raise ValueError(f"the cache {cache} was extracted from {fc.meta.get('model')}, not {engine.name}")
+    n_all = len(fc) if conversations is None else min(len(fc), eval_conversations + conversations)
+    if n_all <= eval_conversations:
+        raise ValueError(f"the cache holds {len(fc)} sequences: fewer than eval_conversations + 1")
+    eval_data = feature_cache.medusa_rows(fc, range(eval_conversations))
+    train_data = feature_cache.medusa_rows(fc, range(eval_conversations, n_all))
+    run_info = dict(model=engine.name, weights_id=engine.weights_id, cache=fc.index["corpus"],
+                    conversations=n_all - eval_conversations, eval_conversations=eval_conversations)
+    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info, mesh=mesh)
+    if trainer.resume():
+        log(f"resumed from step {trainer.step}")
+    metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()
+    trainer.ckpts.close()
+    manifest = dict(
+        model=engine.name, weights_id=engine.weights_id, num_heads=heads.num_heads,
+        data=dict(source=fc.meta.get("source"), cache=str(cache), conversations=n_all - eval_conversations,
+                  eval_conversations=eval_conversations, train_tokens=int(train_data.num_rows),
+                  eval_tokens=int(eval_data.num_rows), responses="cached, teacher-forced"),
         train=dataclasses.asdict(config), steps=trainer.step, train_time_s=round(trainer.elapsed, 1),
         devices=len(trainer.devices), metrics=metrics)
     checkpoint.save_heads(out, trainer.heads, manifest)
