@@ -550,15 +550,6 @@ class Scheduler:
         self._decode_chunk(plan, active, size)
         return True
 
-    def batch_size_for(self, active: Sequence[Request]) -> int:
-        """The smallest batch size that holds every running row (they are packed at the front)."""
-        top = 1 + max(r.slot for r in active)
-        return next(x for x in self.sizes if x >= top)
-
-    def plan(self, active: Sequence[Request], *, size: int | None = None) -> Plan:
-        """The next chunk's option: plain while an opted-out request runs; the option the running
-        requests name, when they name one (plain when they name different ones); else the fixed
-        spec or the controller's choice."""
     def admit(self) -> None:
         """Admits arrived requests into free slots: each gets its first token from its prefill.
         `step` does this before its chunk; a server calls it first, to stream the first tokens
@@ -568,6 +559,15 @@ class Scheduler:
             self._t0 = self.clock()
         self._admit()
 
+    def batch_size_for(self, active: Sequence[Request]) -> int:
+        """The smallest batch size that holds every running row (they are packed at the front)."""
+        top = 1 + max(r.slot for r in active)
+        return next(x for x in self.sizes if x >= top)
+
+    def plan(self, active: Sequence[Request], *, size: int | None = None) -> Plan:
+        """The next chunk's option: plain while an opted-out request runs; the option the running
+        requests name, when they name one (plain when they name different ones); else the fixed
+        spec or the controller's choice."""
         if PLAIN in self.options and any(r.opt_out for r in active):
             if self.controller is not None:
                 return self.controller.choose([r.id for r in active])  # its own "opt_out" plan
