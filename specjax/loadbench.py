@@ -293,6 +293,10 @@ def telemetry_rows(req_rows: list[dict]) -> list[dict]:
 
 def main(args) -> int:
     """The CLI entry: validates everything, loads the model, runs, prints and writes."""
+    if getattr(args, "url", None):  # a running server, over HTTP
+        from specjax import loadbench_http
+
+        return loadbench_http.main(args)
     from specjax.engine import GenerateOptions
     from specjax.config import parse_tree
     from specjax.prompts import bench_prompts, check_output_paths
@@ -301,10 +305,6 @@ def main(args) -> int:
     auto_ks = _int_list(args.auto_k, "auto-k")
     from specjax import surge
 
-    if getattr(args, "url", None):  # a running server, over HTTP
-        from specjax import loadbench_http
-
-        return loadbench_http.main(args)
     phases = surge.parse_phases(args.surge) if args.surge else None
     conc = _int_list(args.concurrency, "concurrency") if args.concurrency else (
         (16,) if phases else DEFAULT_CONCURRENCY)
