@@ -404,6 +404,48 @@ def cmd_train_eagle(args) -> int:
     return 0
 
 
+def cmd_coverage(args) -> int:
+    """`specjax train-heads coverage`: the draft vocabularies' share of the target's greedy tokens."""
+    import json
+    import pathlib
+
+    import numpy as np
+
+    from specjax.engine import Engine
+    from specjax.prompts import read_prompts
+    from specjax.train_heads import cache as feature_cache, coverage
+    from specjax.train_heads.eagle import draft_vocabulary
+
+    if args.prompts_file is None or args.cache is None:
+        raise ValueError("coverage needs --prompts-file (with task classes) and --cache (to rank from)")
+    if args.per_task < 1:
+        raise ValueError(f"--per-task={args.per_task}: must be >= 1")
+    fc = feature_cache.FeatureCache(args.cache, require_complete=False)
+    prompts = read_prompts(args.prompts_file, per_task=args.per_task)
+    engine = Engine.load(args.model)
+    answers = coverage.greedy_answers(engine, prompts, max_new_tokens=args.max_new_tokens)
+    sizes = [4096, 8192, 16384]
+    ids = range(len(fc))
+    tokens = np.concatenate([fc.sequence(i)["tokens"] for i in ids])[None]
+    mask = np.concatenate([fc.sequence(i)["mask"] for i in ids])[None]
+    rankings = {"target argmax (cache)": feature_cache.target_vocabulary(fc, ids, max(sizes)),
+                "data tokens (cache)": draft_vocabulary(tokens, mask, max(sizes), engine.config.vocab_size)}
+    if args.eagle:
+        from specjax.models import eagle_io
+        rankings[f"head {args.eagle}"] = eagle_io.load_head(args.eagle)[1]
+    tables = {k: coverage.coverage(answers, v, [s for s in sizes if s <= len(v)] or [len(v)])
+              for k, v in rankings.items()}
+    text = coverage.format_table(tables, sizes) if all(len(v) >= max(sizes) for v in rankings.values()) \
+        else json.dumps(tables, indent=1)
+    print(text)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(prompts=str(args.prompts_file), per_task=args.per_task,
+                                   max_new_tokens=args.max_new_tokens, answer_tokens={k: int(sum(map(len, v)))
+                                   for k, v in answers.items()}, coverage=tables), indent=1))
+    return 0
+
+
 def cmd_extract(args) -> int:
     """`specjax train-heads extract`: the frozen target's features over a corpus into a feature cache."""
     import pathlib
@@ -440,6 +482,8 @@ def cmd_train_heads(args) -> int:
 
     if args.action == "extract":
         return cmd_extract(args)
+    if args.action == "coverage":
+        return cmd_coverage(args)
     defaults = EAGLE_DEFAULTS if args.kind == "eagle" else MEDUSA_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -575,9 +619,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train-heads", help="train Medusa heads on self-distilled ShareGPT data (`train-heads "
                                            "extract`: build a feature cache to train EAGLE heads from)")
-    t.add_argument("action", nargs="?", default="train", choices=["train", "extract"],
-                   help="train (default) or extract: run the target once over the corpus (--data, "
-                        "--conversations, --seq-len, --features) and write its features to --out")
+    t.add_argument("action", nargs="?", default="train", choices=["train", "extract", "coverage"],
+                   help="train (default); extract: run the target once over the corpus (--data, "
+                        "--conversations, --seq-len, --features) and write its features to --out; coverage: "
+                        "how much of the target's greedy output on --prompts-file each draft vocabulary "
+                        "(ranked from --cache, and --eagle's) holds, per task class, written to --out")
+    t.add_argument("--prompts-file", default=None, help="coverage: JSON lines with a task field")
+    t.add_argument("--per-task", type=int, default=4, help="coverage: prompts per task class")
+    t.add_argument("--eagle", default=None, help="coverage: also an EAGLE head's draft vocabulary")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
     t.add_argument("--out", required=True, help="run directory: heads (for --heads), checkpoints, metrics")
     _add_mesh_args(t)

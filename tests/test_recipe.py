@@ -175,3 +175,15 @@ def test_fused_per_tap_norm_and_regression_target(tiny_config, tiny_model):
     _, m = train.losses(oracle, tiny_model.embed[...], tiny_model.embed[...][:48], ids, teach, tokens, mask,
                         jax.random.key(0), cfg, noise=0.0, rows=20)
     assert float(m["feat"][0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_vocabulary_coverage_per_task_class():
+    from specjax.train_heads import coverage
+
+    answers = {"math": [np.array([1, 2, 3]), np.array([3, 3])], "qa": [np.array([7, 8])]}
+    ranked = np.array([3, 7, 1, 2, 8])
+    table = coverage.coverage(answers, ranked, [1, 2, 5])
+    assert table["math"] == {1: 3 / 5, 2: 3 / 5, 5: 1.0}
+    assert table["qa"] == {1: 0.0, 2: 0.5, 5: 1.0}
+    assert table["all"][2] == pytest.approx(4 / 7)
+    assert "| target | math | 60.0% | 60.0% | 100.0% |" in coverage.format_table({"target": table}, [1, 2, 5])

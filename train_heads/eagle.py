@@ -602,7 +602,10 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
         raise ValueError("vocab='target' ranks by the target's argmax, which the feature cache holds: pass cache")
     if data not in ("sharegpt", "self"):
         raise ValueError(f"data={data!r}: use 'sharegpt' or 'self'")
-    fc = feature_cache.FeatureCache(cache) if cache is not None else None
+    fc = feature_cache.FeatureCache(cache, require_complete=False) if cache is not None else None
+    if fc is not None and not fc.index["complete"]:  # shards are whole and in order: the first ones are usable
+        log(f"the cache {cache} is incomplete: training on its {len(fc)} sequences in "
+            f"{len(fc.index['shards'])} complete shards (a run resumes only on the same number)")
     engine = Engine.load(model)
     if fc is not None and (fc.meta.get("model"), fc.meta.get("weights_id")) != (engine.name, engine.weights_id):
         raise ValueError(f"the cache {cache} was extracted from {fc.meta.get('model')} ({fc.meta.get('weights_id')}), "
