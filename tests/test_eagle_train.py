@@ -154,6 +154,10 @@ def test_conversation_encoding_masks_assistant_text(smollm2):
     (["--draft-vocab", "0"], "draft-vocab"),
     (["--unroll", "0"], "unroll"),
     (["--batch-size", "0"], "batch_size"),
+    (["--cache", "/nonexistent"], "no feature cache there"),
+    (["--vocab", "target"], "pass --cache"),
+    (["--step-weights", "1,0.5"], "step_weights"),
+    (["--b2", "1.5"], "b2"),
 ])
 def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
     from specjax import cli
@@ -161,6 +165,20 @@ def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
     assert cli.main(["train-heads", "--kind", "eagle", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--conversations", "0"], "--conversations"),
+    (["--max-minutes", "-1"], "max-minutes"),
+    (["--features", "final", "--feature-layers", "1"], "feature-layers"),
+])
+def test_cli_extract_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
+    from specjax import cli
+    from specjax.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["train-heads", "extract", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
 
 
