@@ -194,3 +194,27 @@ def test_killed_cached_run_resumes_to_the_same_loss_curve(tiny_model, tiny_confi
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), full.params,
                  resumed.params)
+
+
+def test_medusa_heads_train_from_the_cache(tiny_model, tmp_path):
+    import types
+
+    from specjax.models.heads import HeadsConfig
+    from specjax.train_heads import checkpoint
+    from specjax.train_heads.train import TrainConfig, _train_heads_from_cache
+
+    fc.extract(tiny_model, corpus(12, 7, lo=16, hi=30), tmp_path / "cache", meta=dict(model="tiny", weights_id="w"),
+               shard_size=6, batch_size=4, multiple=8, progress=False, log=lambda m: None)
+    engine = types.SimpleNamespace(name="tiny", weights_id="w", model=tiny_model)
+    heads = HeadsConfig.for_model(tiny_model.config, num_heads=2)
+    config = TrainConfig(steps=6, batch_size=16, warmup=1, save_every=3, eval_every=3)
+    manifest = _train_heads_from_cache(engine, tmp_path / "run", heads, config, tmp_path / "cache", None, 2,
+                                       progress=False, log=lambda m: None, mesh=None)
+    assert manifest["steps"] == 6 and manifest["data"]["conversations"] == 10
+    assert manifest["metrics"]["rows"] == fc.medusa_rows(fc.FeatureCache(tmp_path / "cache"), range(2)).num_rows
+    loaded, _ = checkpoint.load_heads(tmp_path / "run", model_name="tiny")
+    assert loaded.config.num_heads == 2
+    with pytest.raises(ValueError, match="extracted from tiny"):
+        _train_heads_from_cache(types.SimpleNamespace(name="other", weights_id="w", model=tiny_model),
+                                tmp_path / "run2", heads, config, tmp_path / "cache", None, 2, progress=False,
+                                log=lambda m: None, mesh=None)
