@@ -143,6 +143,7 @@ class Server:
 
     # ---- completions ---------------------------------------------------------------------------
     async def chat(self, request: HTTPRequest):
+        arrived = time.perf_counter()  # latency counts from here: parsing and tokenizing included
         body = await self._parse(request, ChatRequest)
         msgs = [{"role": m.role, "content": protocol.message_text(m, i)} for i, m in enumerate(body.messages)]
         try:
@@ -151,9 +152,11 @@ class Server:
             raise bad(f"messages: the model's chat template rejected them: {e}", "messages") from None
         ids = self.tokenizer.encode(text, add_bos=False)
         return await self._complete(request, body, ids, "chat",
-                                    body.max_completion_tokens if body.max_tokens is None else body.max_tokens)
+                                    body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+                                    arrived)
 
     async def completions(self, request: HTTPRequest):
+        arrived = time.perf_counter()
         body = await self._parse(request, CompletionRequest)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
@@ -163,7 +166,7 @@ class Server:
         if body.echo:
             raise bad("echo is not supported", "echo")
         ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-        return await self._complete(request, body, ids, "completion", body.max_tokens)
+        return await self._complete(request, body, ids, "completion", body.max_tokens, arrived)
 
     async def _parse(self, request: HTTPRequest, model):
         raw = await request.body()
@@ -257,14 +260,14 @@ class Server:
             raise bad("stop_token_ids: at most 8 stop tokens, the model's own included", "stop_token_ids")
         return kw
 
-    async def _complete(self, request: HTTPRequest, body, ids: list[int], kind: str, max_tokens):
+    async def _complete(self, request: HTTPRequest, body, ids: list[int], kind: str, max_tokens, arrived: float):
         kw = self._submit_args(request, body, ids, max_tokens)
         stops = protocol.stop_strings(body.stop)
         if self.engine.startup_error is not None:
             raise APIError(503, f"the engine failed to start: {self.engine.startup_error}", type="server_error")
         timeout = min(x for x in (body.timeout, self.config.request_timeout, float("inf")) if x is not None)
         loop = asyncio.get_running_loop()
-        job = Job(ids=ids, submit=kw, loop=loop, events=asyncio.Queue())
+        job = Job(ids=ids, submit=kw, loop=loop, events=asyncio.Queue(), arrived=arrived)
         if timeout != float("inf"):
             job.deadline = job.arrived + timeout
         retry = {"Retry-After": str(self.config.retry_after)}
