@@ -187,3 +187,39 @@ def test_vocabulary_coverage_per_task_class():
     assert table["qa"] == {1: 0.0, 2: 0.5, 5: 1.0}
     assert table["all"][2] == pytest.approx(4 / 7)
     assert "| target | math | 60.0% | 60.0% | 100.0% |" in coverage.format_table({"target": table}, [1, 2, 5])
+
+
+@pytest.mark.parametrize("features", ["final", "fused"])
+def test_new_recipe_heads_decode_exactly_like_plain(tiny_model, tmp_path, features):
+    """A head with normalised inputs and the rest class, trained from a feature cache on the tiny
+    target's own continuations: greedy chain and dynamic tree, batch 3, equal plain, drafts accepted."""
+    from specjax.config import SpecConfig
+    from specjax.engine import Engine
+    from specjax.train_heads import cache as fc
+
+    eng = Engine(tiny_model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 64, size=4).tolist() for _ in range(40)]
+    seqs = [(np.asarray(p + r.tokens, np.int32), np.arange(len(p) + len(r.tokens)) >= 4)
+            for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=28))]
+    config = EagleConfig.for_model(tiny_model.config, draft_vocab=64, features=features, input_norm=True,
+                                   rest_class=True)
+    fc.extract(tiny_model, seqs, tmp_path / "cache", taps=config.feature_layers, shard_size=20, batch_size=8,
+               multiple=32, progress=False, log=lambda m: None)
+    cache = fc.FeatureCache(tmp_path / "cache")
+    ids = fc.target_vocabulary(cache, range(8, 40), 64)
+    cfg = train.EagleTrainConfig(steps=120, batch_size=8, seq_len=32, lr=1e-2, warmup=5, unroll=3,
+                                 save_every=1000, eval_every=1000, log_every=50)
+    tr = train.EagleTrainer(config, tiny_model, fc.CachedSequences(cache, np.arange(8, 40)),
+                            fc.CachedSequences(cache, np.arange(8)), ids, tmp_path / "run", cfg)
+    assert tr.fit(progress=False)["acc"][0] > 0.3
+    tr.ckpts.close()
+    eagle_io.save_head(tmp_path / "head", tr.head, ids, dict(model="tiny", weights_id="w"))
+    head, got_ids, _ = eagle_io.load_head(tmp_path / "head")
+    eng.set_eagle(head, got_ids)
+    test_prompts = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
+    ref = [r.tokens for r in eng.generate(test_prompts, max_new_tokens=32)]
+    for spec in (SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=8, topk=3)):
+        out = eng.generate(test_prompts, max_new_tokens=32, spec=spec)
+        assert [r.tokens for r in out] == ref
+        assert sum(r.counters.num_accepted_tokens for r in out) > 0
