@@ -15,8 +15,10 @@ Reported per (method, concurrency, task class, and "all"):
 - ttft_p50_s, itl_p50_s, itl_p99_s: time to first token (from arrival) and per-token inter-token
   latency (a chunk's gap spread over the tokens it brought);
 - memory: target weights, draft/heads weights, caches (decode state and proposer state), the
-  cross-request n-gram table, their sum
-  (peak_mem_bytes: what the run keeps on the device), and the process's peak RSS;
+  cross-request n-gram table, and their sum (arrays_bytes: the arrays the run keeps); beside them
+  peak_mem_bytes, measured (`telemetry.peak_memory`): the device's peak bytes in use where the
+  backend reports it (peak_mem_source "device", since the process started), else the process's
+  peak resident set during the run (CPU, "rss"); and peak_rss_bytes, the process's since it started;
 - greedy_identical: every request's tokens equal those of `none` at the same concurrency.
 """
 
@@ -33,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax import telemetry
 from specjax.config import SpecConfig
 from specjax.controller import ControllerConfig
 from specjax.proposers.registry import FACTORIES
@@ -129,6 +132,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                                   auto_specs=auto_specs, batch_sizes=plan.batch_sizes)
                     for p, t in zip(prompts, arrivals):
                         s.submit(p.text, task=p.task, arrival=t)
+                    telemetry.reset_peak_memory()  # the resident peak of this run only (Linux)
                     s.prepare()
                     s.warm()  # every method starts warm, as auto does after calibrating
                     done = [0]
@@ -155,7 +159,8 @@ def _run_row(s, method: str, c: int, rep: int) -> dict:
     row = dict(method=method, concurrency=c, rep=rep, **mem,
                makespan_s=max(r.finished_s for r in s.requests), compile_s=s.compile_s, chunks=chunks,
                chunk_log=[ch.to_dict() for ch in s.chunk_log],
-               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               **telemetry.peak_memory())
     if s.cost is not None:
         row["cost_s_per_step"] = {f"{o[0]}:{o[1]}": t for o, t in s.cost.seconds.items()}
         row["cost_s_per_step_by_batch_size"] = {
@@ -191,10 +196,12 @@ def summarize(req_rows: list[dict], run_rows: list[dict], *, greedy: bool = True
             rec["speedup_vs_none"] = rec[key] / ref[key]
             same = sum(r["tokens"] == x["tokens"] for r, x in zip(sel, b))
             mem = {k: max(r.get(k, 0) for r in runs) for k in (
-                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes", "peak_rss_bytes")}
+                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes", "peak_rss_bytes",
+                "peak_mem_bytes")}
             out.append(dict(method=m, concurrency=c, task=t, requests=len(sel), **rec,
-                            peak_mem_bytes=mem["target_weight_bytes"] + mem["draft_weight_bytes"]
+                            arrays_bytes=mem["target_weight_bytes"] + mem["draft_weight_bytes"]
                             + mem["cache_bytes"] + mem["ngram_table_bytes"], **mem,
+                            peak_mem_source=runs[0].get("peak_mem_source"),
                             greedy_identical=(same == len(sel)) if greedy else None,
                             greedy_identical_n=same if greedy else None))
     return out
@@ -221,12 +228,13 @@ def markdown(records: list[dict]) -> str:
             f"{'' if r['greedy_identical'] is None else r['greedy_identical_n']}/{r['requests']} |"
             for r in records]
     mib = lambda x: f"{x / 2**20:.0f} MiB"
-    mem = ("\n\n| method | conc. | target weights | draft/heads | caches | n-gram table | total | peak RSS |\n"
+    mem = ("\n\n| method | conc. | target weights | draft/heads | caches | n-gram table | arrays (sum) | "
+           "peak measured |\n"
            "|---|---|---|---|---|---|---|---|\n")
     mem += "\n".join(f"| {r['method']} | {r['concurrency']} | {mib(r['target_weight_bytes'])} | "
                      f"{mib(r['draft_weight_bytes'])} | {mib(r['cache_bytes'])} | "
-                     f"{r['ngram_table_bytes'] / 2**20:.1f} MiB | {mib(r['peak_mem_bytes'])} | "
-                     f"{mib(r['peak_rss_bytes'])} |" for r in records if r["task"] == "all")
+                     f"{r['ngram_table_bytes'] / 2**20:.1f} MiB | {mib(r['arrays_bytes'])} | "
+                     f"{mib(r['peak_mem_bytes'])} ({r['peak_mem_source']}) |" for r in records if r["task"] == "all")
     note = ("\n\ntok/s: throughput over the run for task `all`; per task, tokens over summed request "
             "latency (what one client sees), which is also what the per-task speedup compares.")
     return head + "\n".join(rows) + mem + note
