@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PROMPT ?= Explain speculative decoding in two sentences.
+PROMPT ?=
 ARGS   ?=
 PORT   ?= 8000
 
@@ -20,9 +20,15 @@ $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test,oracle,plot]'
 	touch $@
 
-# auto speculation, with the plain loop on the same prompt measured beside it in the same process
+# auto speculation against plain decoding on the same prompts, 3 runs each in turns: the speedup with
+# its spread; without PROMPT, a configuration request (where speculation pays) and an open question
+# (where auto falls back). Auto chooses among prompt lookup's lengths here: every option it may choose
+# is compiled before the first token, so the first run waits for each (`--method auto` without
+# --auto-methods adds the shipped Medusa and EAGLE heads). A --method in ARGS replaces auto.
 run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
-	$(VENV)/bin/specjax generate --model smollm2-135m --chat --method auto --prompt "$(PROMPT)" $(ARGS)
+	$(VENV)/bin/specjax generate --model smollm2-135m --chat \
+	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram) \
+	    $(if $(PROMPT),--prompt "$(PROMPT)",--demo) $(ARGS)
 
 # the ops prompts (configuration and diagnostic) through the scheduler, auto against plain per class
 run-ops: $(VENV)/.base

@@ -115,6 +115,10 @@ def eagle_spec(engine, args, *, tree: bool | None = None):
 
 
 def _prompts(args) -> list[Prompt]:
+    if getattr(args, "demo", False):
+        if args.prompt is not None or args.prompts_file:
+            raise SystemExit("error: --demo runs its own prompts: drop --prompt / --prompts-file, or --demo")
+        return list(DEMO_PROMPTS)
     if args.prompt is not None and args.prompts_file:
         raise SystemExit("error: give --prompt or --prompts-file, not both")
     if args.prompts_file:
@@ -146,6 +150,8 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
     if spec is not None and spec.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
+        raise ValueError("--repeats and --auto-methods are for --method auto")
     prompts = _prompts(args)
     if args.method == "auto":
         return _generate_auto(args, opts, prompts)
@@ -180,26 +186,64 @@ def cmd_generate(args) -> int:
     return 0
 
 
+AUTO_METHODS = ("ngram", "medusa", "eagle")
+
+# `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
+# look up (a configuration file names its service, ports and paths again and again) and cannot where
+# every sentence is new (an open question): there auto falls back to plain decoding.
+DEMO_PROMPTS = (
+    Prompt(id="demo-config", task="configuration request",
+           text="Write a docker-compose.yml for a service called ledger (image node:20, port 3000) with Redis."),
+    Prompt(id="demo-question", task="open question", text="What makes a code review useful?"),
+)
+
+
+def _auto_methods(args) -> tuple[str, ...] | None:
+    """`--auto-methods` as a tuple (None: every method the model has assets for)."""
+    if args.auto_methods is None:
+        return None
+    methods = tuple(dict.fromkeys(m.strip() for m in args.auto_methods.split(",") if m.strip()))
+    bad = [m for m in methods if m not in AUTO_METHODS]
+    if bad or not methods:
+        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of {','.join(AUTO_METHODS)}")
+    return methods
+
+
 def _generate_auto(args, opts, prompts) -> int:
     """`--method auto`: serve the prompts through the scheduler with the adaptive controller (prompt
-    lookup with the cross-request table, and the Medusa heads shipped for the model), then the same
-    prompts with the plain loop in the same process, and print what auto gained (compile excluded)."""
-    from specjax import loadbench
-    from specjax.config import SpecConfig
+    lookup with the cross-request table, and the Medusa heads and EAGLE head shipped for the model,
+    or the `--auto-methods` given), and the same prompts with speculation off, in turns (`--repeats`
+    pairs, compile excluded); print auto's speedup per task class with its spread
+    (`specjax.compare`), or that auto decoded plain throughout and claims none.
+
+    Both arms run on a fresh scheduler of the same compiled programs: the plain arm's requests opt
+    out of speculation (`Scheduler.submit(opt_out=True)`: plain chunks, and their text never enters
+    the n-gram table), so the comparison compiles nothing twice, and each run starts with an empty
+    n-gram table (a repetition never looks up an earlier repetition's answer). The cost model is
+    calibrated once, in the first run.
+    """
+    import dataclasses
+    import time
+
+    from specjax import compare, loadbench
     from specjax.controller import ControllerConfig
     from specjax.engine import Engine
-    from specjax.models import heads_io
+    from specjax.models import eagle_io, heads_io
     from specjax.scheduler import Scheduler
-
-    from specjax.models import eagle_io
 
     if getattr(args, "mesh", None) is not None:
         raise ValueError("--method auto runs through the scheduler, which does not run on a mesh yet: "
                          "drop --mesh or pick a method")
+    methods = _auto_methods(args)
+    repeats = 3 if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats}: must be >= 1")
+    log = lambda m: print(m, file=sys.stderr, flush=True)
     engine = Engine.load(args.model, dtype=args.dtype)
-    if args.heads or heads_io.shipped_heads_dir(engine.name):
+    use = lambda m, given, shipped: m in methods if methods is not None else bool(given or shipped(engine.name))
+    if use("medusa", args.heads, heads_io.shipped_heads_dir):
         engine.load_heads(args.heads or "default")
-    if args.eagle or eagle_io.shipped_eagle_dir(engine.name):
+    if use("eagle", args.eagle, eagle_io.shipped_eagle_dir):
         engine.load_eagle(args.eagle or "default")
     ccfg, named = ControllerConfig(), {}
     if engine.heads is not None:
@@ -207,18 +251,26 @@ def _generate_auto(args, opts, prompts) -> int:
     if engine.eagle is not None:
         ccfg, more = loadbench.with_eagle(engine, ccfg)
         named = {**named, **more}
+    if methods is not None and "ngram" not in methods:  # Medusa's and EAGLE's options are in `extra`
+        ccfg = dataclasses.replace(ccfg, methods=())
     texts = [p.text for p in prompts]
     longest = max(len(x) for x in engine.check(texts, opts, chat=args.chat))
     slots = min(args.batch_size, len(prompts))
     stream = len(prompts) == 1 and not args.json
+    costs = None
 
-    def serve(spec):
-        s = Scheduler(engine, slots=slots, spec=spec, controller=ccfg, opts=opts, chat=args.chat,
-                      auto_specs=named, max_prompt_tokens=longest)
+    def serve(plain: bool, show: bool):
+        s = Scheduler(engine, slots=slots, spec="auto", controller=ccfg, opts=opts, chat=args.chat,
+                      auto_specs=named, max_prompt_tokens=longest, costs=costs)
         for p in prompts:
-            s.submit(p.text, task=p.task)
+            s.submit(p.text, task=p.task, opt_out=plain)
+        t0, compiles = time.perf_counter(), engine.compile_count
         s.prepare()
-        if spec == "auto" and stream:
+        if costs is None:
+            log(f"[auto's options {', '.join(f'{m}:{k}' for m, k in s.options)}: {engine.compile_count - compiles} "
+                f"programs ready in {s.compile_s:.1f} s (traced, then compiled or read from the compilation "
+                f"cache), step costs calibrated in {time.perf_counter() - t0 - s.compile_s:.1f} s]")
+        if show:
             dec, seen = engine.tokenizer.decode_stream(skip_special=True), 0
             while s.step():
                 toks = s.requests[0].tokens
@@ -230,33 +282,49 @@ def _generate_auto(args, opts, prompts) -> int:
             s.run()
         return s
 
-    auto = serve("auto").requests
-    plain = serve(SpecConfig()).requests
+    runs: dict[str, list] = {"auto": [], "plain": []}
+    for r in range(repeats):
+        for arm in ("auto", "plain") if r % 2 == 0 else ("plain", "auto"):  # each pair in turn
+            s = serve(arm == "plain", show=stream and arm == "auto" and r == 0)
+            costs = s.costs
+            runs[arm].append(list(s.requests))
+            if r == 0 and arm == "auto":
+                if not stream and not args.json:
+                    for p, a in zip(prompts, runs["auto"][0]):
+                        print(f"--- {p.id} ({p.task}) ---\n"
+                              f"{engine.tokenizer.decode(a.tokens, skip_special=True)}", flush=True)
+                log(f"[timing auto and plain in turns on the same prompts, {repeats} run"
+                    f"{'s' if repeats > 1 else ''} each ...]")
     greedy = opts.sampling.method == "greedy"
+
+    def report(label: str, idx: list[int]) -> compare.Report:
+        pair = lambda arm, rep: (sum(runs[arm][rep][i].latency_s for i in idx),
+                                 sum(len(runs[arm][rep][i].tokens) for i in idx))
+        chunks: dict[str, int] = {}
+        for rep in runs["auto"]:
+            for i in idx:
+                for k, n in rep[i].chunks.items():
+                    chunks[k] = chunks.get(k, 0) + n
+        autos = [rep[i] for rep in runs["auto"] for i in idx]
+        tau = sum(len(a.tokens) - 1 for a in autos) / max(1, sum(a.target_forwards for a in autos))
+        same = sum(runs["auto"][rep][i].tokens == runs["plain"][rep][i].tokens for rep in range(repeats) for i in idx)
+        return compare.report(label, [pair("auto", rep) for rep in range(repeats)],
+                              [pair("plain", rep) for rep in range(repeats)], chunks, tau=tau,
+                              identical=(same, repeats * len(idx)) if greedy else None)
+
     if args.json:
-        for p, a, b in zip(prompts, auto, plain):
+        for i, p in enumerate(prompts):
+            a = runs["auto"][0][i]
+            rep = report(str(p.task), [i])
             print(json.dumps(dict(id=p.id, task=p.task, text=engine.tokenizer.decode(a.tokens, skip_special=True),
-                                  tokens=a.tokens, tau=a.tau, latency_s=a.latency_s, plain_latency_s=b.latency_s,
-                                  speedup_vs_plain=b.latency_s / a.latency_s, chunks=a.chunks,
-                                  identical_to_plain=a.tokens == b.tokens if greedy else None,
+                                  tokens=a.tokens, tau=a.tau, chunks=a.chunks, comparison=rep.to_dict(),
+                                  identical_to_plain=all(runs["auto"][r][i].tokens == runs["plain"][r][i].tokens
+                                                         for r in range(repeats)) if greedy else None,
                                   **a.counters.to_dict()), ensure_ascii=False), flush=True)
         return 0
-    if not stream:
-        for p, a in zip(prompts, auto):
-            print(f"--- {p.id} ({p.task}) ---\n{engine.tokenizer.decode(a.tokens, skip_special=True)}")
-    for task in sorted({str(p.task) for p in prompts}):
-        sel = [(a, b) for p, a, b in zip(prompts, auto, plain) if str(p.task) == task]
-        chunks: dict[str, int] = {}
-        for a, _ in sel:
-            for k, n in a.chunks.items():
-                chunks[k] = chunks.get(k, 0) + n
-        t_auto, t_plain = sum(a.latency_s for a, _ in sel), sum(b.latency_s for _, b in sel)
-        tau = sum(len(a.tokens) - 1 for a, _ in sel) / max(1, sum(a.target_forwards for a, _ in sel))
-        same = f", identical to plain {sum(a.tokens == b.tokens for a, b in sel)}/{len(sel)}" if greedy else ""
-        label = "" if task == "None" else f"{task}: "
-        print(f"[{label}auto tau {tau:.2f} ({', '.join(f'{k} x{n}' for k, n in sorted(chunks.items()))}); "
-              f"{t_plain / t_auto:.2f}x plain decoding of the same prompts, measured now "
-              f"(plain {t_plain:.1f} s, auto {t_auto:.1f} s, compile excluded){same}]", file=sys.stderr)
+    for task in dict.fromkeys(str(p.task) for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if str(p.task) == task]
+        print(report("" if task == "None" else task, idx).text(), file=sys.stderr, flush=True)
     return 0
 
 
@@ -533,6 +601,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    g.add_argument("--demo", action="store_true",
+                   help="two built-in prompts instead of --prompt: a configuration request (where "
+                        "speculation pays) and an open question (where auto falls back to plain)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="auto: runs of auto and of plain, in turns, behind the speedup's spread (default 3)")
+    g.add_argument("--auto-methods", default=None,
+                   help=f"auto: comma-separated proposers it may choose from ({','.join(AUTO_METHODS)}; "
+                        "default: prompt lookup, and the Medusa heads and EAGLE head shipped for the model)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="offline: the plain loop and each method side by side on the same "
@@ -700,6 +776,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def compile_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache in `<specjax cache>/jax-compile` (see
+    `specjax.models.registry.cache_dir`), so a command run again loads its programs instead of
+    compiling them. Every program is kept, however small or quick to compile. Left alone when JAX's
+    own cache directory is set (JAX_COMPILATION_CACHE_DIR); SPECJAX_COMPILE_CACHE=0 turns it off.
+    Returns the directory in use, or None."""
+    import os
+
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if os.environ.get("SPECJAX_COMPILE_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    from specjax.models import registry
+
+    path = str(registry.cache_dir() / "jax-compile")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -708,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
 
             jax.distributed.initialize()  # before any other JAX call
             _quiet_unless_process_0()
+        compile_cache()
         return args.func(args)
     except ValueError as e:  # our validation errors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -209,6 +209,9 @@ class Scheduler:
       history: keep only the last `history` requests in `requests` and chunks in `chunk_log`
         (a server's bound; None: all, for offline runs that read them afterwards).
       clock: seconds; `time.perf_counter` by default.
+      costs: for "auto", the cost models (`Scheduler.costs`) of an earlier scheduler of the same
+        options, slots and batch sizes on this machine, used instead of calibrating again (repeated
+        runs of one configuration then pay the calibration once).
     """
 
     def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
@@ -216,7 +219,8 @@ class Scheduler:
                  chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
                  auto_specs: dict[str, SpecConfig] | None = None, ngram_table: int | None = None,
                  batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
-                 history: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 history: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 costs: dict[int, CostModel] | None = None):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
@@ -277,6 +281,10 @@ class Scheduler:
         self._lookups: dict[int, HostLookup] = {}
         self.compile_s = 0.0
         self._t0 = None
+        if costs is not None and (self.ccfg is None or set(costs) != set(self.sizes)):
+            raise ValueError(f"costs for batch sizes {sorted(costs)}: give them to an 'auto' scheduler with "
+                             f"batch sizes {list(self.sizes)} (an earlier one's Scheduler.costs)")
+        self._given_costs = costs
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], *, task: str | None = None,
@@ -432,7 +440,8 @@ class Scheduler:
         self._lengths = np.asarray(self.state.lengths).copy()
         if self.ccfg is not None:
             # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
-            self.costs = sharding.broadcast_from_0({size: self.calibrate(size=size) for size in self.sizes})
+            self.costs = self._given_costs or sharding.broadcast_from_0(
+                {size: self.calibrate(size=size) for size in self.sizes})
             self.cost = self.costs[self.b]
             self.controller = Controller(self.ccfg, self.cost)
 

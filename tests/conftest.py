@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")  # cli.main leaves the persistent compilation cache off here
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
