@@ -138,6 +138,7 @@ class Request:
     top_p: float = 1.0
     speculation: Option | None = None  # the one option it may speculate with (None: any)
     tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
+    stream: int | None = None  # its random stream's row index (None: its id)
     stop_ids: tuple[int, ...] = ()  # its stop tokens
     status: str = "queued"  # queued | running | finished | cancelled | failed
     error: str | None = None  # why it failed
@@ -292,7 +293,7 @@ class Scheduler:
                max_new_tokens: int | None = None,
                seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, speculation: Option | None = None, tenant: int = 0,
-               stop_ids: Sequence[int] = ()) -> int:
+               stop_ids: Sequence[int] = (), stream: int | None = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
@@ -301,7 +302,10 @@ class Scheduler:
         `speculation`: the one option (method, K) of `options` it may speculate with (chunks
         while it runs use that option, or plain when running requests name different ones).
         `tenant`: the scope of the n-gram table it reads and writes (the table never proposes one
-        tenant's text to another). `stop_ids`: stop tokens besides the scheduler's.
+        tenant's text to another). `stop_ids`: stop tokens besides the scheduler's. `stream`: the
+        row index of its random stream instead of its id (a server gives 0 to a request that
+        names its seed, so that the same seed samples the same text, as `Engine.generate` does
+        for a single prompt).
         """
         m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
         if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
@@ -335,7 +339,7 @@ class Scheduler:
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
                       opt_out=opt_out, contribute=contribute and not opt_out, seed=int(seed),
                       speculation=None if speculation is None else tuple(speculation), tenant=int(tenant),
-                      stop_ids=stops, **sp)
+                      stop_ids=stops, stream=None if stream is None else int(stream), **sp)
         self._next_id += 1
         self.requests.append(req)
         self.live[req.id] = req
@@ -483,7 +487,8 @@ class Scheduler:
         inputs = Inputs.create([req.ids], bucket=p, max_new_tokens=req.max_new_tokens,
                                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                stop_ids=req.stop_ids or self.engine.stop_ids(self.opts), seed=req.seed,
-                               row_ids=[max(req.id, 0)], contribute=req.contribute, tenant=req.tenant)
+                               row_ids=[max(req.id, 0) if req.stream is None else req.stream],
+                               contribute=req.contribute, tenant=req.tenant)
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 

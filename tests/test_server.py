@@ -5,6 +5,7 @@ the SIGTERM test runs its own in a subprocess (this file run as a script). Every
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -50,9 +51,10 @@ def tiny_engine() -> Engine:
     return Engine(loader.init_model(model_config.preset("tiny"), seed=0), tok, buckets=(32, 64), name=MODEL)
 
 
-def tiny_server(eng: Engine, **config) -> srv.Server:
+def tiny_server(eng: Engine, temperature: float = 0.0, **config) -> srv.Server:
     sched = srv.scheduler_for(eng, method="ngram", spec=SpecConfig(method="ngram", k=4), slots=4,
-                              max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=64)
+                              max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=64,
+                              temperature=temperature)
     return srv.Server(sched, srv.ServeConfig(model_name=MODEL, **{"max_queue": 40, **config}))
 
 
@@ -78,11 +80,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextlib.contextmanager
+def running(server: srv.Server):
+    """The server on a free port of 127.0.0.1 in a thread, until warm; stopped afterwards."""
     uvicorn = need_module("uvicorn")
-    eng = tiny_engine()
-    server = tiny_server(eng)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=uv.run, daemon=True)
@@ -90,10 +91,18 @@ def served():
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: healthy(url), 300, "the server's warm-up")
-        yield eng, server, url
+        yield url
     finally:
         uv.should_exit = True
         th.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served():
+    eng = tiny_engine()
+    server = tiny_server(eng)
+    with running(server) as url:
+        yield eng, server, url
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +175,33 @@ def test_openai_client_greedy_equals_generate(served, reference, client, specula
             text += ch.choices[0].text
         assert toks == ref and text == _text(eng, ref)
     wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_sampling_per_request(served, reference):
+    """A server that compiled the sampled programs: a request that names its seed samples what
+    Engine.generate samples with that seed and temperature (plain chunks), and the same twice with
+    prompt lookup over an unchanged n-gram table; temperature 0, and top_k 1, decode greedily;
+    other seeds differ."""
+    openai = need_module("openai")
+    eng = served[0]
+    with running(tiny_server(eng, temperature=1.0)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="s", max_retries=0, timeout=60)
+
+        def ask(p, **kw):
+            r = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS,
+                                     extra_body=dict(return_token_ids=True, **kw.pop("extra", {})), **kw)
+            return r.choices[0].model_extra["token_ids"]
+
+        for p in PROMPTS[:2]:
+            want = eng.generate([p], max_new_tokens=MAX_TOKENS, temperature=1.3, seed=5)[0].tokens
+            assert ask(p, temperature=1.3, seed=5, extra={"speculation": "off"}) == want
+            # with speculation the sample also depends on the drafts: the same with an unchanged table
+            same = dict(extra={"contribute": False})
+            assert ask(p, temperature=1.3, seed=5, **same) == ask(p, temperature=1.3, seed=5, **same)
+            assert ask(p, temperature=0.0) == reference[("completion", p)]
+            assert ask(p, temperature=1.3, extra={"top_k": 1}) == reference[("completion", p)]
+        outs = {tuple(ask(PROMPTS[2], temperature=1.5, seed=s, extra={"speculation": "off"})) for s in range(4)}
+        assert len(outs) > 1
 
 
 def test_stop_strings_and_max_tokens(served, reference, client):

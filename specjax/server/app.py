@@ -254,7 +254,8 @@ class Server:
                 self._task_names.add(task)
         kw = dict(max_new_tokens=int(m), task=task, contribute=body.contribute,
                   temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                  stop_ids=stop_ids, tenant=self.tenant(request, body.user))
+                  stop_ids=stop_ids, tenant=self.tenant(request, body.user),
+                  stream=None if body.seed is None else 0)  # a seed names the whole random stream
         kw.update(protocol.speculation_option(body.speculation, s.options, fixed=s.fixed))
         if len(set(stop_ids) | set(s.engine.stop_ids(opts))) > 8:
             raise bad("stop_token_ids: at most 8 stop tokens, the model's own included", "stop_token_ids")
