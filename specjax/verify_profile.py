@@ -11,11 +11,11 @@ measures is how close each formulation of the model's products gets:
   nk-xla  `einsum("mk,nk->mn")`, w stored [N, K] (XLA's dot on the transposed layout)
   nk      `specjax.models.linear.dense` on [N, K]: the few-row CPU kernel where it is built
 
-Per matmul, each product is timed in a chain over as many distinct weight copies as the model has
-layers (at least ~96 MB of them), so the weights stream from memory as in a real forward rather
-than sitting in cache. Timings are interleaved: every repetition runs every (formulation, M) once in
-turn, so drift on a shared machine spreads over all of them; medians and minima are reported, and
-the ratio to M = 1 of the same formulation.
+Per matmul, each product is timed in a chain over distinct copies of its weight (at least 2, and
+at least ~64 MB of them, twice a large L3), so the weights stream from memory as in a real forward
+rather than sitting in cache. Timings are interleaved: every repetition runs every
+(formulation, M) once in turn, so drift on a shared machine spreads over all of them; medians and
+minima are reported, and the ratio to M = 1 of the same formulation.
 
 Floors: memory = weight bytes / bandwidth measured here (a jitted sum over a 512 MiB array);
 compute = 2 * M * weights / peak FLOP/s measured here (a 2048^3 fp32 matmul).
@@ -106,8 +106,9 @@ def _chain(form: str):
     return jax.jit(f)
 
 
-def _copies(k: int, n: int, layers: int, min_bytes: float = 96e6, cap: int = 96) -> int:
-    return int(min(cap, max(layers, math.ceil(min_bytes / (4 * k * n)))))
+def _copies(k: int, n: int, min_bytes: float = 64e6, cap: int = 64) -> int:
+    """Weight copies in a timing chain: at least `min_bytes` of them (out of cache), at least 2."""
+    return int(min(cap, max(2, math.ceil(min_bytes / (4 * k * n)))))
 
 
 def matmul_profile(config, *, windows=WINDOWS, forms=FORMS, repeats: int = 15, names=None,
@@ -118,9 +119,7 @@ def matmul_profile(config, *, windows=WINDOWS, forms=FORMS, repeats: int = 15, n
     for name, (k, n) in projections(config).items():
         if names and name not in names:
             continue
-        copies = 1 if name == "lm_head" else _copies(k, n, config.num_layers)
-        if name == "lm_head":  # one LM head per forward: time it alone, several repeats stream it anyway
-            copies = max(1, _copies(k, n, 1, cap=4))
+        copies = _copies(k, n)
         rng = np.random.default_rng(0)
         base = rng.standard_normal((k, n), np.float32) * k**-0.5
         ws = {"kn": [jnp.asarray(base) for _ in range(copies)]}
@@ -225,11 +224,21 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
             r["mem_floor_ms"] = r["bytes"] / bw * 1e3
             r["flop_floor_ms"] = 2 * r["M"] * r["K"] * r["N"] / peak * 1e3
     if forward:
-        variants = {"kn": ("kn", False), "nk": ("nk", True)}
+        # "kn" without the kernel is the formulation before it (x @ w, the tied head an einsum)
+        big = cfg.num_params * 4 > 2e9  # one layout at a time: two 1.5B fp32 copies may not fit
+        variants = {"kn": ("kn", False), "nk-xla": ("nk", False), "nk": ("nk", True)}
+        if big:
+            del variants["nk-xla"]
         if not linear.kernel_available():
             variants = {"kn": ("kn", False)}
-        big = cfg.num_params * 4 > 2e9  # one layout at a time: two 1.5B fp32 copies may not fit
         groups = [[v] for v in variants] if big else [list(variants)]
+        import psutil
+
+        need = cfg.num_params * 4 * (1.3 if big else 3.3)
+        if psutil.virtual_memory().available < need:
+            log(f"  forward skipped: {need / 2**30:.1f} GiB needed, "
+                f"{psutil.virtual_memory().available / 2**30:.1f} GiB available")
+            groups = []
         for group in groups:
             models = {v: (constant_model(dataclasses.replace(cfg, weight_layout=variants[v][0])), variants[v][1])
                       for v in group}
