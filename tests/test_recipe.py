@@ -75,14 +75,14 @@ def _batch(config, tiny_model, seed=0, b=2, t=12):
 
 def test_loss_uses_only_the_rows_that_train(config, tiny_model):
     head = EagleHead(config, rngs=nnx.Rngs(1))
-    tokens, mask, teach, ids = _batch(config, tiny_model)
+    tokens, mask, teach, ids = _batch(config, tiny_model, t=80)  # 78 + 3 rows train of 2 x 78
     embed, w_ids = tiny_model.embed[...], tiny_model.embed[...][:config.draft_vocab]
-    cfg = train.EagleTrainConfig(seq_len=12, unroll=2, noise=0.0)
+    cfg = train.EagleTrainConfig(seq_len=80, unroll=2, noise=0.0)
     n = train.num_rows(np.asarray(mask))
-    assert n < 2 * 10 and n >= int(np.asarray(mask)[:, 2:].sum())
+    assert n == 128 and n >= int(np.asarray(mask)[:, 2:].sum())
     run = lambda teach, rows: train.losses(head, embed, w_ids, ids, teach, tokens, mask, jax.random.key(0), cfg,
                                            noise=0.0, rows=rows)
-    gathered, dense = run(teach, n), run(teach, 2 * 10)
+    gathered, dense = run(teach, n), run(teach, 2 * 78)
     np.testing.assert_allclose(gathered[0], dense[0], rtol=1e-6)
     for k in ("ce", "acc", "count"):
         np.testing.assert_allclose(gathered[1][k], dense[1][k], rtol=1e-6)

@@ -265,11 +265,12 @@ def cached_teacher(config: EagleConfig, batch: dict):
 
 def num_rows(mask: np.ndarray) -> int:
     """The static row count the loss gathers for a batch with this (host) mask: the positions that
-    train (`mask[:, 2:]`), rounded up to 1/8 of a power of two (few shapes compile), at most all."""
+    train (`mask[:, 2:]`) rounded up to a power of two (at least 64), at most all of them. Each
+    count is one compiled step, and a compile costs minutes on a loaded CPU; the padding rows cost
+    only LM-head rows (the head's layer runs over every position anyway)."""
     b, t = mask.shape
     n = max(int(np.asarray(mask)[:, 2:].sum()), 1)
-    unit = max(1 << max(n.bit_length() - 4, 0), 8)
-    return int(min(-(-n // unit) * unit, b * (t - 2)))
+    return int(min(max(1 << (n - 1).bit_length(), 64), b * (t - 2)))
 
 
 def soft_cross_entropy(logits, rest_logit, log_p):
