@@ -27,64 +27,65 @@ inline float hsum(v16 v) {
   return s;
 }
 
-// y[m0:m0+MT, n0:n0+NB] from x rows m0.. and weight rows n0..
-template <int MT, int NB>
-void tile(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K,
-          int64_t N, int64_t m0, int64_t n0) {
-  v16 acc[MT][NB];
+constexpr int NB = 8;     // weight rows per block: eight sequential streams keep the memory busy
+constexpr int64_t KC = 256;  // k-chunk: NB rows x KC floats (8 KiB) stay in L1 across the row tiles
+
+// acc[i][j] (+)= x[m0 + i, k0:k1] . w[n0 + j, k0:k1] over whole 16-float steps, for MT rows of x
+template <int MT>
+inline void chunk(const float* __restrict x, const float* __restrict w, v16* __restrict acc, int64_t K,
+                  int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool first) {
+  v16 a[MT][NB];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = (v16){};
-  const float* xr = x + m0 * K;
-  const float* wr = w + n0 * K;
-  const int64_t K16 = K & ~int64_t(15);
-  for (int64_t k = 0; k < K16; k += 16) {
-    v16 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = *reinterpret_cast<const v16*>(wr + j * K + k);
-    for (int i = 0; i < MT; ++i) {
-      v16 xv = *reinterpret_cast<const v16*>(xr + i * K + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) a[i][j] = first ? (v16){} : acc[(m0 + i) * NB + j];
+  for (int64_t k = k0; k < k1; k += 16) {
+    v16 xv[MT];
+    for (int i = 0; i < MT; ++i) xv[i] = *reinterpret_cast<const v16*>(x + (m0 + i) * K + k);
     for (int j = 0; j < NB; ++j) {
-      float s = hsum(acc[i][j]);
-      for (int64_t k = K16; k < K; ++k) s += xr[i * K + k] * wr[j * K + k];
-      y[(m0 + i) * N + n0 + j] = s;
+      v16 wv = *reinterpret_cast<const v16*>(w + (n0 + j) * K + k);
+      for (int i = 0; i < MT; ++i) a[i][j] += xv[i] * wv;
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) acc[(m0 + i) * NB + j] = a[i][j];
+}
+
+// y[:, n0:n0+NB] for all M rows: k in chunks, and within a chunk the rows of x in tiles of 3 (24
+// accumulators), so each weight chunk is read from memory once and from L1 by the other tiles
+void block(const float* x, const float* w, float* y, v16* acc, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k0 = 0; k0 < K16 || k0 == 0; k0 += KC) {
+    int64_t k1 = std::min(k0 + KC, K16);
+    bool first = k0 == 0;
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) chunk<3>(x, w, acc, K, m, n0, k0, k1, first);
+    if (M - m == 2) chunk<2>(x, w, acc, K, m, n0, k0, k1, first);
+    if (M - m == 1) chunk<1>(x, w, acc, K, m, n0, k0, k1, first);
+    if (K16 == 0) break;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) {
+      float s = hsum(acc[m * NB + j]);
+      for (int64_t k = K16; k < K; ++k) s += x[m * K + k] * w[(n0 + j) * K + k];
+      y[m * N + n0 + j] = s;
     }
 }
 
-// all M rows against weight rows [n0, n0 + NB): tiles of 8 rows x 2 weight rows (16 accumulators),
-// a remainder of r < 8 rows against 2 or 4 weight rows
-template <int NB>
-void rows_block(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8)
-    for (int j = 0; j < NB; j += 2) tile<8, 2>(x, w, y, K, N, m, n0 + j);
-  switch (M - m) {
-#define SPECJAX_TAIL(R, B)                                                  \
-  case R:                                                                   \
-    for (int j = 0; j < NB; j += B) tile<R, B>(x, w, y, K, N, m, n0 + j); \
-    break;
-    SPECJAX_TAIL(7, 2)
-    SPECJAX_TAIL(6, 2)
-    SPECJAX_TAIL(5, 2)
-    SPECJAX_TAIL(4, 4)
-    SPECJAX_TAIL(3, 4)
-    SPECJAX_TAIL(2, 4)
-    SPECJAX_TAIL(1, 4)
-#undef SPECJAX_TAIL
-    default:
-      break;
-  }
-}
-
+// weight rows [n0, n1): blocks of NB, then the last few one at a time
 void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t n0, int64_t n1) {
+  std::unique_ptr<v16[]> acc(new v16[M * NB]);
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) rows_block<4>(x, w, y, M, K, N, n);
-  for (; n < n1; ++n) {  // the last N % 4 weight rows, one at a time
-    for (int64_t m = 0; m < M; ++m) tile<1, 1>(x, w, y, K, N, m, n);
-  }
+  for (; n + NB <= n1; n += NB) block(x, w, y, acc.get(), M, K, N, n);
+  const int64_t K16 = K & ~int64_t(15);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      v16 a = (v16){};
+      for (int64_t k = 0; k < K16; k += 16)
+        a += *reinterpret_cast<const v16*>(x + m * K + k) * *reinterpret_cast<const v16*>(w + n * K + k);
+      float s = hsum(a);
+      for (int64_t k = K16; k < K; ++k) s += x[m * K + k] * w[n * K + k];
+      y[m * N + n] = s;
+    }
 }
 
 // Blocks of weight rows handed out by an atomic counter; the calling thread works too, so it never
@@ -122,7 +123,7 @@ ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   // a few blocks per thread (load balance on a busy machine), each at least ~64 KiB of weights
   int64_t block = (work->N + 4 * threads - 1) / (4 * threads);
   block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
-  block = std::max<int64_t>(4, (block + 3) & ~int64_t(3));
+  block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
   work->block = block;
   work->nblocks = (work->N + block - 1) / block;
   int64_t helpers = std::min(threads, work->nblocks) - 1;

@@ -11,9 +11,10 @@ recorded in `ModelConfig.weight_layout`:
 
 `dense` is the one product every projection of the model goes through. The kernel is built with the
 machine's C++ compiler on first use (cached per machine under `~/.cache/specjax/kernels`; build it
-ahead with `python -m specjax.models.linear`) and used only where it applies: a CPU backend, fp32, no
-mesh in context, at most `KERNEL_MAX_ROWS` rows. Everywhere else, and when it cannot be built (no
-compiler: the reason is logged once) or `SPECJAX_DENSE_KERNEL=0`, the same product is XLA's dot.
+ahead with `python -m specjax.models.linear`) and used only where it applies: a CPU backend, fp32,
+no mesh in context, `KERNEL_MIN_ROWS` to `KERNEL_MAX_ROWS` rows. Everywhere else, and when it cannot
+be built (no compiler: the reason is logged once) or `SPECJAX_DENSE_KERNEL=0`, the same product is
+XLA's dot.
 Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
 """
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 LAYOUTS = ("kn", "nk")
+KERNEL_MIN_ROWS = 2  # one row is a matrix-vector product: XLA's own is at least as fast (measured)
 KERNEL_MAX_ROWS = 16  # from about here a product is compute-bound and XLA's GEMM is as fast (measured)
 _SOURCE = pathlib.Path(__file__).with_name("dense_nk.cc")
 _TARGET = "specjax_dense_nk"
@@ -95,7 +97,7 @@ def dense(x, w, layout: str):
 
 
 def _use_kernel(m: int, x, w) -> bool:
-    if not 0 < m <= KERNEL_MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+    if not KERNEL_MIN_ROWS <= m <= KERNEL_MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         return False
     from specjax import sharding  # a mesh partitions XLA's dot; a custom call it could only gather
 

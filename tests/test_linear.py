@@ -60,10 +60,11 @@ def test_kernel_on_model_shapes(m, k, n):
 
 @needs_kernel
 def test_dense_takes_the_kernel_only_where_it_applies():
-    """The lowered program holds the custom call for few fp32 rows, XLA's dot for many rows."""
+    """The lowered program holds the custom call for a few fp32 rows, XLA's dot for one or many."""
     w = jnp.ones((8, 16), jnp.float32)
     lower = lambda x: jax.jit(linear.dense, static_argnums=2).lower(x, w, "nk").as_text()
     assert linear._TARGET in lower(jnp.ones((2, 3, 16), jnp.float32))
+    assert linear._TARGET not in lower(jnp.ones((1, 1, 16), jnp.float32))  # a decode step: XLA's GEMV
     assert linear._TARGET not in lower(jnp.ones((linear.KERNEL_MAX_ROWS + 1, 16), jnp.float32))
     assert linear._TARGET not in lower(jnp.ones((2, 16), jnp.bfloat16))
 
@@ -162,6 +163,26 @@ def test_lm_head_readers_see_one_head():
     ids = jnp.array([5, 0, 63], jnp.int32)
     np.testing.assert_array_equal(eagle.lm_rows(nk, ids), eagle.lm_rows(kn, ids))
     np.testing.assert_array_equal(heads.base_head(nk), heads.base_head(kn))
+
+
+@pytest.mark.parametrize("subset", [None, [7, 0, 63, 2]])
+def test_medusa_reads_an_untied_nk_head(subset):
+    """Medusa's shared LM head (full or a vocabulary subset) on an untied "nk" target proposes from
+    the same logits as on "kn"."""
+    from specjax.models.heads import HeadsConfig, MedusaHeads
+    from specjax.proposers.medusa import MedusaProposer
+
+    kn, nk = _pair(tie_embeddings=False)
+    hidden = jax.random.normal(jax.random.key(4), (2, kn.config.dim), jnp.float32)
+    tokens = jnp.array([3, 9], jnp.int32)
+    out = []
+    for target in (kn, nk):
+        med = MedusaHeads(HeadsConfig.for_model(target.config, num_heads=2), base=target, rngs=nnx.Rngs(1))
+        med.w[...] = jax.random.normal(jax.random.key(5), med.w.shape) * 0.1
+        proposer, params = MedusaProposer.from_heads(med, target, k=2, vocab_subset=subset)
+        out.append(proposer.head_logits(params, hidden, tokens))
+    assert out[0].shape == (2, 2, kn.config.vocab_size if subset is None else len(subset))
+    np.testing.assert_allclose(out[0], out[1], rtol=2e-5, atol=2e-5)
 
 
 def test_mesh_layout_follows_the_stored_axes():
