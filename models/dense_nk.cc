@@ -126,7 +126,8 @@ ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
   work->block = block;
   work->nblocks = (work->N + block - 1) / block;
-  int64_t helpers = std::min(threads, work->nblocks) - 1;
+  // a weight under ~2 MiB streams in less time than waking another thread can take: run it here
+  int64_t helpers = work->N * work->K < (int64_t(1) << 19) ? 0 : std::min(threads, work->nblocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
