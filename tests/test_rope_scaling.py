@@ -7,23 +7,19 @@ for linear), run past their original context: our logits equal transformers' in 
 """
 
 import dataclasses
-import functools
 import json
 import math
 
 import gguf
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import need_module
-from flax import nnx
 from test_loaders import flat_weights, random_model, write_gguf
+from test_oracle import hf_logits, our_logits
 
 from specjax.models import eagle, gguf_loader, hf_loader, loader
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_loader import GGUFError
-from specjax.models.kv_cache import KVCache
 from specjax.models.llama import rope_inv_freq
 
 transformers = need_module("transformers")
@@ -64,23 +60,6 @@ def save_hf(path, arch: str, rope: dict, **overrides):
 def load_hf(path):
     config = hf_loader.config_from_hf(path, name="src")
     return loader.model_from_weights(config, hf_loader.weights_from_hf(path, config))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _logits(graphdef, params, tokens):
-    model = nnx.merge(graphdef, params)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
-
-
-def our_logits(model, ids) -> np.ndarray:
-    graphdef, params = nnx.split(model)
-    return np.asarray(_logits(graphdef, params, jnp.asarray([ids], jnp.int32)))[0]
-
-
-def hf_logits(hf, ids) -> np.ndarray:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def llama_cpp_rope_freqs(theta: float, head_dim: int, rope: dict) -> np.ndarray:
