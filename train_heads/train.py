@@ -339,11 +339,8 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
     train_data, eval_data = rows.conversations(0, split), rows.conversations(split, conversations)
     run_info = dict(model=engine.name, weights_id=engine.weights_id, data=index["source_sha256"],
                     conversations=conversations, eval_conversations=eval_conversations)
-    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info, mesh=mesh)
-    if trainer.resume():
-        log(f"resumed from step {trainer.step}")
-    metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()
-    trainer.ckpts.close()
+    trainer, metrics = _fit(heads, engine, train_data, eval_data, out, config, run_info, progress=progress,
+                            log=log, mesh=mesh)
     manifest = dict(
         model=engine.name, weights_id=engine.weights_id, num_heads=heads.num_heads,
         data=dict(source=index["source"], conversations=split, eval_conversations=eval_conversations,
@@ -371,11 +368,8 @@ def _train_heads_from_cache(engine, out, heads: HeadsConfig, config: TrainConfig
     train_data = feature_cache.medusa_rows(fc, range(eval_conversations, n_all))
     run_info = dict(model=engine.name, weights_id=engine.weights_id, cache=fc.index["corpus"],
                     conversations=n_all - eval_conversations, eval_conversations=eval_conversations)
-    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info, mesh=mesh)
-    if trainer.resume():
-        log(f"resumed from step {trainer.step}")
-    metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()
-    trainer.ckpts.close()
+    trainer, metrics = _fit(heads, engine, train_data, eval_data, out, config, run_info, progress=progress,
+                            log=log, mesh=mesh)
     manifest = dict(
         model=engine.name, weights_id=engine.weights_id, num_heads=heads.num_heads,
         data=dict(source=fc.meta.get("source"), cache=str(cache), conversations=n_all - eval_conversations,
@@ -386,3 +380,13 @@ def _train_heads_from_cache(engine, out, heads: HeadsConfig, config: TrainConfig
     checkpoint.save_heads(out, trainer.heads, manifest)
     log(f"heads saved to {out}: held-out top-1 {metrics.get('top1')}, top-5 {metrics.get('top5')}")
     return manifest
+
+
+def _fit(heads, engine, train_data, eval_data, out, config, run_info, *, progress, log, mesh):
+    """Trains (or resumes, or only evaluates a finished run); returns the trainer and held-out metrics."""
+    trainer = Trainer(heads, engine.model, train_data, eval_data, out, config, run_info=run_info, mesh=mesh)
+    if trainer.resume():
+        log(f"resumed from step {trainer.step}")
+    metrics = trainer.fit(progress=progress) if trainer.step < config.steps else trainer.evaluate()
+    trainer.ckpts.close()
+    return trainer, metrics
