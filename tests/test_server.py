@@ -7,6 +7,7 @@ the SIGTERM test runs its own in a subprocess (this file run as a script). Every
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import threading
 import time
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,6 +127,13 @@ def client(served):
 def idle(server: srv.Server) -> bool:
     s = server.sched
     return not s.live and not s.queue and all(r is None for r in s.slots) and server.engine.pending == 0
+
+
+def live_device_bytes() -> tuple[int, int]:
+    """(arrays alive, the bytes the runtime reports for their buffers): device memory as measured on
+    any backend (the CPU's allocator reports no bytes in use)."""
+    arrays = [x for x in jax.live_arrays() if not x.is_deleted()]
+    return len(arrays), sum(x.on_device_size_in_bytes() for x in arrays)
 
 
 def _text(eng, tokens):
@@ -279,23 +288,73 @@ def test_bad_requests_compile_nothing_and_health_waits_for_warm_up():
     assert eng.compile_count == 0 and server.sched.state is None
 
 
+def scrape(url: str) -> dict[tuple, float]:
+    """GET /metrics parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get(("specjax:" + name, tuple(sorted(labels.items()))), 0.0)
+
+
 def test_models_health_metrics(served, client):
+    """/metrics exposes every metric the issue names, and their values agree with the requests'
+    own counters: the speculation counters (totals and per position), per-class acceptance,
+    chunks per option and the fraction speculated, queue depth and running requests, the TTFT /
+    ITL / e2e histograms, requests by finish reason, and memory as measured."""
     eng, server, url = served
     ids = [m.id for m in client.models.list()]
     assert ids == [MODEL]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
-    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, extra_body={"task": "config"})
-    text = httpx.get(url + "/metrics").text
-    for name in ["specjax:spec_decode_num_drafts_total", "specjax:spec_decode_num_draft_tokens_total",
-                 "specjax:spec_decode_num_accepted_tokens_total",
-                 'specjax:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
-                 'specjax:spec_decode_acceptance_rate_by_task{task="config"}', "specjax:chunks_speculated_fraction",
-                 "specjax:num_requests_waiting 0.0", "specjax:num_requests_running 0.0",
-                 "specjax:time_to_first_token_seconds_bucket", "specjax:inter_token_latency_seconds_bucket",
-                 "specjax:e2e_request_latency_seconds_bucket", 'specjax:memory_bytes{kind="process_rss"}']:
-        assert name in text, name
-    rss = [line for line in text.splitlines() if line.startswith('specjax:memory_bytes{kind="process_rss"}')]
-    assert float(rss[0].split()[-1]) > 1e6
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    before = scrape(url)
+    counters, tokens = [], 0
+    for p, task in ((PROMPTS[0], "cfgclass"), (PROMPTS[1], "cfgclass"), (PROMPTS[3], "diagclass")):
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, extra_body={"task": task})
+        counters.append((task, r.model_extra["metrics"]["speculative_decoding"]))
+        tokens += r.usage.completion_tokens
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, extra_body={"speculation": "off"})
+    after = scrape(url)
+    d = lambda name, **lb: metric(after, name, **lb) - metric(before, name, **lb)
+    total = lambda key: sum(c[key] for _, c in counters)
+    assert total("num_drafts") > 0 and total("num_accepted_tokens") > 0
+    assert d("spec_decode_num_drafts_total") == total("num_drafts")
+    assert d("spec_decode_num_draft_tokens_total") == total("num_draft_tokens")
+    assert d("spec_decode_num_accepted_tokens_total") == total("num_accepted_tokens")
+    per_pos = [sum(c["accepted_tokens_per_pos"][i] for _, c in counters if i < len(c["accepted_tokens_per_pos"]))
+               for i in range(4)]
+    assert [d("spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)] == per_pos
+    for task in ("cfgclass", "diagclass"):  # per-class acceptance (only this test uses these classes)
+        drafted = sum(c["num_draft_tokens"] for t, c in counters if t == task)
+        accepted = sum(c["num_accepted_tokens"] for t, c in counters if t == task)
+        assert metric(after, "spec_decode_num_draft_tokens_by_task_total", task=task) == drafted
+        assert metric(after, "spec_decode_num_accepted_tokens_by_task_total", task=task) == accepted
+        assert metric(after, "spec_decode_acceptance_rate_by_task", task=task) == pytest.approx(accepted / drafted)
+    chunks = {o: d("chunks_total", option=o) for o in ("none", "ngram:4")}
+    assert chunks["ngram:4"] > 0 and chunks["none"] > 0  # the last request ran plain
+    assert 0 < metric(after, "chunks_speculated_fraction") < 1
+    assert (metric(after, "num_requests_waiting"), metric(after, "num_requests_running")) == (0, 0)
+    assert d("request_finished_total", finished_reason="length") + d(
+        "request_finished_total", finished_reason="stop") == 4
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert d(h + "_count") == 4 and d(h + "_sum") > 0
+        assert metric(after, h + "_bucket", le="+Inf") == metric(after, h + "_count")
+    assert d("inter_token_latency_seconds_count") == tokens + r.usage.completion_tokens - 4  # gaps
+    assert metric(after, "memory_bytes", kind="process_rss") > 1e6  # the process's RSS, measured now
+    key = ("specjax:memory_startup_bytes", (("kind", "process_rss"), ("stage", "caches_and_programs")))
+    assert math.isfinite(after[key])  # what warming up added, measured (< 0 if the allocator gave pages back)
+    parts = {p: metric(after, "memory_device_buffer_bytes", part=p)
+             for p in ("weights", "draft_weights", "caches", "ngram_table")}
+    table = server.sched.table
+    assert parts["weights"] >= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eng.params))
+    assert parts["ngram_table"] > 0 and parts["caches"] > 0 and parts["draft_weights"] == 0
+    assert parts["ngram_table"] >= server.sched.memory()["ngram_table_bytes"] and table is not None
 
 
 async def _stream(url, prompt, *, cancel_after: int | None, key: str = "test"):
@@ -333,7 +392,12 @@ def test_32_streams_half_cancelled_by_disconnect(served, reference, monkeypatch)
         return step()
 
     monkeypatch.setattr(sched, "step", slow_step)
+    # the baseline: an idle server that has served (the scheduler keeps the last chunk's outputs)
+    httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=60)
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
     rss0 = server.metrics.memory.labels(kind="process_rss")._value.get()
+    live0 = live_device_bytes()
+    m0 = scrape(url)
 
     async def main():
         jobs = [_stream(url, PROMPTS[i % len(PROMPTS)], cancel_after=2 if i % 2 else None) for i in range(32)]
@@ -347,13 +411,21 @@ def test_32_streams_half_cancelled_by_disconnect(served, reference, monkeypatch)
         else:
             assert toks == ref and finish in ("stop", "length")
     wait_until(lambda: idle(server), 20, "every slot to be freed and the queue to empty")
-    cancelled = [r for r in sched.requests if r.status == "cancelled"]
+    ours = list(sched.requests)[-32:]  # the bounded history (64) holds these 32 last
+    cancelled = [r for r in ours if r.status == "cancelled"]
     assert len(cancelled) >= 8  # those that had not finished when their client left
+    assert all(r.status in ("finished", "cancelled") for r in ours)
     assert all(r.slot is None or sched.slots[r.slot] is not r for r in cancelled)
     assert len(sched.requests) <= 64 and len(sched.chunk_log) <= 64  # the bounded history
-    assert not server.engine.jobs
+    assert not server.engine.jobs and server.engine._cmds.empty() and not sched.live
+    m1 = scrape(url)
+    assert (metric(m1, "num_requests_waiting"), metric(m1, "num_requests_running")) == (0, 0)
+    assert metric(m1, "request_finished_total", finished_reason="cancelled") - metric(
+        m0, "request_finished_total", finished_reason="cancelled") == len(cancelled)
+    # memory: the device buffers alive are those before, byte for byte; the RSS is back near its baseline
+    assert live_device_bytes() == live0
     rss1 = server.metrics.memory.labels(kind="process_rss")._value.get()
-    assert rss1 - rss0 < 200e6
+    assert rss1 - rss0 < 100e6
 
 
 def test_queue_full_gives_429_with_retry_after(served, monkeypatch):

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from specjax.scheduler import Scheduler
 from specjax.server import protocol
 from specjax.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
-from specjax.server.metrics import Metrics, memory_added, memory_now
+from specjax.server.metrics import Metrics, memory_added, memory_now, memory_parts
 from specjax.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
@@ -96,9 +96,14 @@ class Server:
         self.tokenizer = sched.engine.tokenizer
         self.metrics = Metrics(startup_memory=startup_memory)
         loaded = memory_now()
+
+        def on_ready():  # in the engine thread, once compiled and warmed up
+            self.metrics.record_startup("caches_and_programs", memory_added(loaded, memory_now()))
+            self.metrics.record_parts(memory_parts(sched))
+
         self.engine = EngineThread(sched, max_queue=config.max_queue, on_chunk=self.metrics.on_chunk,
-                                   on_end=self.metrics.on_end, on_ready=lambda: self.metrics.record_startup(
-                                       "caches_and_programs", memory_added(loaded, memory_now())))
+                                   on_end=self.metrics.on_end, on_ready=on_ready)
+        self.metrics.watch(self.engine)
         self._tenants: dict[str, int] = {}
         self._task_names: set[str] = set()
         self.app = Starlette(routes=[

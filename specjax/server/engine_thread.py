@@ -107,6 +107,16 @@ class EngineThread:
     def capacity(self) -> int:
         return self.sched.b + self.max_queue
 
+    @property
+    def running(self) -> int:
+        """Requests in a slot (read from any thread: a snapshot)."""
+        return sum(r is not None for r in list(self.sched.slots))
+
+    @property
+    def waiting(self) -> int:
+        """Requests accepted and not yet in a slot: in the command queue or the scheduler's queue."""
+        return max(0, self.pending - len(self.jobs)) + len(self.sched.queue)
+
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
@@ -245,11 +255,11 @@ class EngineThread:
         job.ended = True
         if job.rid is not None:
             self.jobs.pop(job.rid, None)
-        with self._lock:
-            self.pending -= 1
-        job.put(end)
-        if self.on_end is not None:
+        if self.on_end is not None:  # first: once a client has its answer, /metrics counts it
             try:
                 self.on_end(job, end)
             except Exception:  # metrics must never stop the engine
                 log.exception("on_end failed")
+        with self._lock:
+            self.pending -= 1
+        job.put(end)

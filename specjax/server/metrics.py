@@ -6,8 +6,11 @@ Speculation counters follow vLLM's and llama-server's schema (`spec_decode_num_d
 `specjax:` prefix as vLLM uses `vllm:`. Besides them: acceptance per task class, chunks per option
 (the fraction speculated), queue depth, running requests, TTFT / inter-token / end-to-end
 histograms (from each request's arrival), requests by finish reason, and memory as measured:
-the process's resident set, the device's bytes in use where the backend reports them, and what
-loading the weights, the draft weights and the scheduler's caches and programs added to either.
+the process's resident set, the device's bytes in use where the backend reports them, what
+loading the weights, the draft weights and the scheduler's caches and programs added to either,
+and per part (weights, draft weights, caches, n-gram table) the bytes the runtime reports for
+that part's device buffers (`jax.Array.on_device_size_in_bytes`: the allocation, padding
+included, not shape times dtype size).
 """
 
 from __future__ import annotations
@@ -30,6 +33,34 @@ def device_bytes_in_use() -> int | None:
     """Bytes in use on the first local device, where the backend reports them (GPU, TPU)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else int(stats.get("bytes_in_use", 0))
+
+
+def on_device_bytes(leaves) -> int:
+    """The bytes the runtime reports for these arrays' device buffers (each counted once)."""
+    seen, total = set(), 0
+    for x in leaves:
+        if isinstance(x, jax.Array) and id(x) not in seen and not x.is_deleted():
+            seen.add(id(x))
+            total += int(x.on_device_size_in_bytes())
+    return total
+
+
+def memory_parts(sched) -> dict[str, int]:
+    """Device bytes of a prepared scheduler's parts, as the runtime reports them: the target's
+    weights, the draft weights (proposer parameters not shared with the target), the caches (the
+    batch state and the proposers' states, the n-gram table apart) and the n-gram table. Call it
+    from the thread that steps the scheduler (the batch state is donated at every step)."""
+    leaves = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    weights = leaves(sched.engine.params)
+    shared = {id(x) for x in weights}
+    model = sched.engine.model  # Medusa's LM head is the target's (as `Scheduler.memory` counts it)
+    shared |= {id(model.embed[...])} | (set() if sched.engine.config.tie_embeddings else {id(model.lm_head[...])})
+    draft = [x for x in leaves(sched._pparams) if id(x) not in shared]
+    table = leaves(sched.state.table) if getattr(sched.state, "table", None) is not None else []
+    in_table = {id(x) for x in table}
+    caches = [x for x in leaves(sched.state) + leaves(sched.pstates) if id(x) not in in_table]
+    return dict(weights=on_device_bytes(weights), draft_weights=on_device_bytes(draft),
+                caches=on_device_bytes(caches), ngram_table=on_device_bytes(table))
 
 
 def memory_added(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -66,7 +97,8 @@ class Metrics:
         self.chunks = Counter(p + "chunks", "Decode chunks run, per option (none = plain)", ["option"], registry=r)
         self.speculated = Gauge(p + "chunks_speculated_fraction", "Fraction of chunks that speculated",
                                 registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet in a slot", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests accepted, not yet in a slot (the queue depth)",
+                             registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests in a slot", registry=r)
         self.finished = Counter(p + "request_finished", "Requests ended, per finish reason",
                                 ["finished_reason"], registry=r)
@@ -81,6 +113,9 @@ class Metrics:
         self.startup = Gauge(p + "memory_startup_bytes", "Measured at start-up: what each stage (weights, "
                                                          "draft_weights, caches_and_programs) added to each kind",
                              ["stage", "kind"], registry=r)
+        self.parts = Gauge(p + "memory_device_buffer_bytes", "Bytes the runtime reports for each part's device "
+                                                             "buffers (weights, draft_weights, caches, ngram_table)",
+                           ["part"], registry=r)
         for stage, kinds in (startup_memory or {}).items():
             self.record_startup(stage, kinds)
         for kind in ("process_rss", "device_in_use"):
@@ -89,6 +124,15 @@ class Metrics:
         self._spec_chunks = 0
         self._all_chunks = 0
         self._tasks: dict[str, list[int]] = {}  # task -> [drafted, accepted]
+
+    def watch(self, et: EngineThread) -> None:
+        """Queue depth and running requests, read when scraped (not only after a chunk)."""
+        self.waiting.set_function(lambda: et.waiting)
+        self.running.set_function(lambda: et.running)
+
+    def record_parts(self, parts: dict[str, int]) -> None:
+        for part, v in parts.items():
+            self.parts.labels(part=part).set(v)
 
     def record_startup(self, stage: str, added: dict[str, int]) -> None:
         """What a start-up stage added, per kind of `memory_now` (as measured before and after it)."""
@@ -111,8 +155,6 @@ class Metrics:
             self._all_chunks += 1
             self._spec_chunks += ch.option != "none"
             self.speculated.set(self._spec_chunks / self._all_chunks)
-        self.waiting.set(len(s.queue))
-        self.running.set(sum(r is not None for r in s.slots))
 
     def on_end(self, job: Job, end: End) -> None:
         self.finished.labels(finished_reason=end.reason).inc()
