@@ -434,7 +434,10 @@ def test_queue_full_gives_429_with_retry_after(served, monkeypatch):
     gate = threading.Event()
     step = server.sched.step
 
+    in_step = threading.Event()
+
     def blocked_step():
+        in_step.set()
         gate.wait(30)
         return step()
 
@@ -447,16 +450,19 @@ def test_queue_full_gives_429_with_retry_after(served, monkeypatch):
             first = [asyncio.create_task(c.post(url + "/v1/completions", json=body)) for _ in range(cap)]
             await asyncio.sleep(0.2)
             t_end = time.monotonic() + 20
-            while server.engine.pending < cap and time.monotonic() < t_end:
+            while (server.engine.pending < cap or not in_step.is_set()) and time.monotonic() < t_end:
                 await asyncio.sleep(0.05)
             over = await c.post(url + "/v1/completions", json=body)
+            m = await asyncio.to_thread(scrape, url)  # the queue depth while the engine is held in a chunk
             gate.set()
-            return over, await asyncio.gather(*first)
+            return over, m, await asyncio.gather(*first)
 
     try:
-        over, first = asyncio.run(main())
+        over, m, first = asyncio.run(main())
     finally:
         gate.set()
+    running, waiting = metric(m, "num_requests_running"), metric(m, "num_requests_waiting")
+    assert 1 <= running <= server.sched.b and running + waiting == cap, (running, waiting)
     assert over.status_code == 429 and over.headers["retry-after"] == "1"
     assert over.json()["error"]["type"] == "rate_limit_error"
     assert all(r.status_code == 200 for r in first)
