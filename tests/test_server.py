@@ -533,20 +533,57 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference[("completion", p)]
     assert all(r.status != "queued" for r in sched.requests)
 
-    run_loop, calls = sched._run_loop, []
+    run_loop, failed = sched._run_loop, []
 
-    def device_error(*a, **kw):  # the first chunk after admission fails, as a device error would
-        calls.append(1)
-        if len(calls) == 1:
+    def device_error(*a, **kw):  # once all four are running, one chunk fails as a device error would
+        if not failed and all(r is not None for r in sched.slots):
+            failed.append(1)
             raise RuntimeError("XLA device lost")
         return run_loop(*a, **kw)
 
+    step = sched.step
+
+    def slow_step():  # so that the four are all admitted before the first ones finish
+        time.sleep(0.05)
+        return step()
+
     monkeypatch.setattr(sched, "_run_loop", device_error)
-    with pytest.raises(openai.InternalServerError, match="XLA device lost"):
-        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
-                                  extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == reference[("completion", PROMPTS[1])]
+    monkeypatch.setattr(sched, "step", slow_step)
+
+    async def in_flight():
+        async with httpx.AsyncClient(timeout=60) as c:
+            common = {"model": MODEL, "max_tokens": MAX_TOKENS, "speculation": "off"}
+            body = lambda p, stream: {**common, "prompt": p, "stream": stream}
+
+            async def streamed(p):
+                events = []
+                async with c.stream("POST", url + "/v1/completions", json=body(p, True)) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            events.append(json.loads(line[6:]))
+                return r.status_code, events
+
+            return await asyncio.wait_for(asyncio.gather(
+                c.post(url + "/v1/completions", json=body(PROMPTS[0], False)),
+                c.post(url + "/v1/chat/completions",
+                       json={**common, "messages": [{"role": "user", "content": PROMPTS[1]}]}),
+                streamed(PROMPTS[2]), streamed(PROMPTS[3])), 60)
+
+    plain, chat, *streams = asyncio.run(in_flight())
+    assert failed == [1]
+    msg = "engine error while decoding: RuntimeError: XLA device lost"
+    for r in (plain, chat):  # every request in flight failed, each with the device's message
+        assert r.status_code == 500 and msg in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "server_error"
+    for status, events in streams:  # a stream that had begun ends with an OpenAI-shaped error event
+        assert status == 200 and msg in events[-1]["error"]["message"], events[-1]
+        assert all("error" not in e for e in events[:-1])
+    monkeypatch.setattr(sched, "step", step)
+    for p in PROMPTS[:2]:  # and the server keeps serving, exactly
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == reference[("completion", p)]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
     wait_until(lambda: idle(server), 10, "the engine to go idle")
 
 
@@ -564,6 +601,8 @@ def test_tenants_never_see_each_others_text(served):
     # B reads the table (its own scope) but opts out of contributing to it
     b.completions.create(model=MODEL, prompt="secret: abcdefgh abcdefgh", max_tokens=MAX_TOKENS,
                          extra_body={"contribute": False})
+    b.completions.create(model=MODEL, prompt="other: ijklmn ijklmn", max_tokens=MAX_TOKENS,
+                         extra_body={"speculation": "off"})  # never speculated on: contributes nothing either
     wait_until(lambda: idle(server), 10, "the engine to go idle")
     ta, tb = server.tenant_id("key:tenant-a"), server.tenant_id("key:tenant-b")
     assert ta != tb and 0 not in (ta, tb)
@@ -582,6 +621,48 @@ def test_tenants_never_see_each_others_text(served):
             assert bool(found[0]) == expect, (gram, tenant)
             if expect and len(gram) == table.max_n:
                 assert draft[0].tolist() == follow[slot, :4].tolist()
+
+
+def test_tenant_text_is_never_proposed_to_another_tenant(served):
+    """On the proposals themselves: tenant B's drafts for a prompt (their count, tokens and
+    acceptance per position) are the same before and after tenant A put the same text into the
+    table, while A's own drafts take it up (more accepted in fewer drafts). The same for tenants
+    named by `user` (no API key). And a server started with share_ngram_table does propose A's text
+    to B: the test can see a leak."""
+    eng, server, url = served
+    prompt = PROMPTS[2]  # its continuation is not repetitive: the table's drafts beat in-request lookup
+
+    def ask(u, *, key=None, user=None, contribute=True):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                "contribute": contribute, "speculation": {"method": "ngram", "k": 4}}
+        if user is not None:
+            body["user"] = user
+        r = httpx.post(u + "/v1/completions", json=body, timeout=60,
+                       headers={} if key is None else {"authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        c = out["metrics"]["speculative_decoding"]
+        assert out["choices"][0]["token_ids"] == eng.generate([prompt], max_new_tokens=MAX_TOKENS)[0].tokens
+        return c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"], c["accepted_tokens_per_pos"]
+
+    def drafts(u, a: dict, b: dict):
+        b0 = ask(u, **b, contribute=False)  # B reads its (empty) scope and writes nothing
+        a1 = ask(u, **a)  # A writes its text
+        a2 = ask(u, **a, contribute=False)  # A's drafts now come from its own text
+        b1 = ask(u, **b, contribute=False)
+        return b0, a1, a2, b1
+
+    for a, b in (({"key": "prop-a"}, {"key": "prop-b"}), ({"user": "alice"}, {"user": "bob"})):
+        b0, a1, a2, b1 = drafts(url, a, b)
+        assert b1 == b0, (a, b)  # nothing of A's reached B's drafts
+        assert a2[2] > a1[2] and a2[0] < a1[0], (a1, a2)  # A's text does reach A's
+        assert a2[2] > b1[2]
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+    shared = tiny_server(eng, share_ngram_table=True)
+    with running(shared) as url2:
+        b0, a1, a2, b1 = drafts(url2, {"key": "prop-a"}, {"key": "prop-b"})
+        assert b1 == a2 and b1 != b0  # one scope: B is proposed A's text
 
 
 def test_loadbench_over_http(served, tmp_path):
