@@ -357,10 +357,10 @@ def test_models_health_metrics(served, client):
     assert parts["ngram_table"] >= server.sched.memory()["ngram_table_bytes"] and table is not None
 
 
-async def _stream(url, prompt, *, cancel_after: int | None, key: str = "test"):
+async def _stream(url, prompt, *, cancel_after: int | None, key: str = "test", max_tokens: int = MAX_TOKENS):
     """Streams a chat completion; with `cancel_after`, closes the connection after that many
     chunks. Returns (token ids, finish_reason)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": True, "return_token_ids": True, "speculation": "off"}
     toks, finish, chunks = [], None, 0
     async with httpx.AsyncClient(timeout=60) as c:
@@ -743,6 +743,80 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
         s.submit(ids[0], seed=-1)
 
 
+def test_a_non_streaming_client_that_leaves_cancels_its_request(served, monkeypatch):
+    """A client that closes the connection while waiting for a whole (non-streamed) completion:
+    its request is cancelled at a chunk boundary and its slot freed, well before it would end."""
+    eng, server, url = served
+    sched = server.sched
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    step = sched.step
+
+    def slow_step():  # 24 tokens, plain, take at least 6 chunks: 1.2 s
+        time.sleep(0.2)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "speculation": "off"}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            post = asyncio.create_task(c.post(url + "/v1/completions", json=body))
+            t_end = time.monotonic() + 20
+            while not server.engine.running and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+            post.cancel()  # closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+    req = list(sched.requests)[-1]
+    assert req.status == "cancelled" and 0 < len(req.tokens) < MAX_TOKENS, (req.status, len(req.tokens))
+    assert time.monotonic() - t0 < 1.2 + 2  # not waited out
+
+
+def test_drain_finishes_what_it_can_then_cancels_the_rest(served, reference):
+    """`Server.drain` (what SIGTERM calls), bounded: new requests get 503 and /health says
+    draining; a request that can finish within the drain timeout finishes; one that cannot ends
+    with finish_reason "cancelled", its tokens a prefix of the greedy ones; the engine thread ends."""
+    eng = served[0]
+    server = tiny_server(eng)  # the module's programs: nothing to compile
+    step = server.sched.step
+
+    def slow_step():
+        time.sleep(0.3)
+        return step()
+
+    server.sched.step = slow_step
+    with running(server) as url:
+        async def main():
+            # plain, 4 tokens a chunk: the short one needs 2 chunks (done by 0.9 s), the long one 6 (1.8 s)
+            short = asyncio.create_task(_stream(url, PROMPTS[0], cancel_after=None, max_tokens=6))
+            long = asyncio.create_task(_stream(url, PROMPTS[1], cancel_after=None))
+            t_end = time.monotonic() + 20
+            while time.monotonic() < t_end:  # until both have their first token
+                jobs = list(server.engine.jobs.values())
+                if len(jobs) == 2 and all(j.sent for j in jobs):
+                    break
+                await asyncio.sleep(0.02)
+            server.drain(1.0)
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+            refused = await asyncio.to_thread(httpx.post, url + "/v1/completions", json=body, timeout=10)
+            health = await asyncio.to_thread(httpx.get, url + "/health", timeout=10)
+            return await asyncio.wait_for(asyncio.gather(short, long), 30), refused, health
+
+        ((short_toks, short_end), (long_toks, long_end)), refused, health = asyncio.run(main())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+        assert refused.json()["error"]["code"] == "unavailable"
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        assert short_end == "length" and short_toks == reference[("chat", PROMPTS[0])][:6]
+        ref = reference[("chat", PROMPTS[1])]
+        assert long_end == "cancelled" and 0 < len(long_toks) < len(ref) and long_toks == ref[: len(long_toks)]
+        server._drainer.join(10)
+        assert not server.engine.thread.is_alive() and server.engine.pending == 0
+
+
 # ---- SIGTERM: a subprocess running this file as a script ------------------------------------------
 
 def _serve_main(port: int) -> int:
@@ -776,9 +850,20 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
                     break
                 await asyncio.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            await asyncio.sleep(0.5)
 
-        out = asyncio.run(main())
+            def new_request():  # no new requests: the port is closed, or a 503
+                try:
+                    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a"},
+                                      timeout=10).status_code
+                except httpx.ConnectError:
+                    return "refused"
+
+            refused = await asyncio.to_thread(new_request)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60), refused
+
+        out, refused = asyncio.run(main())
+        assert refused in ("refused", 503), refused
         assert all(f in ("stop", "length") and toks for toks, f in out), out
         assert proc.wait(timeout=60) == 0
     finally:

@@ -3,7 +3,7 @@
 One engine thread owns the `Scheduler` (`engine_thread`); the Starlette app (`app`) validates
 requests, hands them over as messages, and streams the tokens back; `metrics` exports the
 Prometheus metrics. `run` serves until SIGTERM / SIGINT, then drains: no new requests, those in
-flight finish (bounded by `drain_timeout`), and it returns 0.
+flight finish (bounded by `drain_timeout`, then they end "cancelled"), and it returns 0.
 
 Example:
   >>> eng = Engine.load("smollm2-135m")
@@ -48,18 +48,21 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
 
 def run(server: Server, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
         log_level: str = "info") -> int:
-    """Serves until SIGTERM or SIGINT, then drains (bounded by `drain_timeout` seconds); returns 0."""
+    """Serves until SIGTERM or SIGINT, then drains: no new connections or requests, those in flight
+    get `drain_timeout` seconds to finish, then what is left ends with finish_reason "cancelled"
+    (its clients get that answer); returns 0."""
     import uvicorn
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):  # no re-raise of the signal afterwards: a drain is a clean exit
-            server.engine.drain()
+            server.drain(drain_timeout)
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             else:
                 self.should_exit = True
 
+    # uvicorn waits for the connections past the drain, so that the "cancelled" ends reach their clients
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout)
+                            timeout_graceful_shutdown=drain_timeout + 10)
     _Uvicorn(config).run()
     return 0

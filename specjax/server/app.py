@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 import uuid
 from typing import AsyncIterator
@@ -104,6 +105,7 @@ class Server:
         self.engine = EngineThread(sched, max_queue=config.max_queue, on_chunk=self.metrics.on_chunk,
                                    on_end=self.metrics.on_end, on_ready=on_ready)
         self.metrics.watch(self.engine)
+        self._drainer: threading.Thread | None = None
         self._tenants: dict[str, int] = {}
         self._task_names: set[str] = set()
         self.app = Starlette(routes=[
@@ -120,6 +122,17 @@ class Server:
             self.engine.start()
         yield
         await asyncio.to_thread(self.engine.stop, 0.0)  # uvicorn has already drained the requests
+
+    def drain(self, timeout: float) -> threading.Thread:
+        """Stops accepting requests (they get 503, and /health 503); those in flight get `timeout`
+        seconds to finish, then the rest end with finish_reason "cancelled", sent to their clients,
+        and the engine thread ends. Returns the thread that waits (SIGTERM calls this)."""
+        self.engine.drain()
+        if self._drainer is None:
+            self._drainer = threading.Thread(target=self.engine.stop, args=(timeout,), name="specjax-drain",
+                                             daemon=True)
+            self._drainer.start()
+        return self._drainer
 
     async def _error(self, request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

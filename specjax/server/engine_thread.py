@@ -167,7 +167,7 @@ class EngineThread:
         with self._lock:
             self.accepting = True
         self.ready.set()
-        while not (self._stop.is_set() and not self.jobs):
+        while not (self._stop.is_set() and not self.jobs and self._cmds.empty()):
             idle = not s.live
             self._commands(block=idle)
             self._expire()
@@ -218,6 +218,9 @@ class EngineThread:
 
     def _submit(self, job: Job) -> None:
         s = self.sched
+        if self._stop.is_set():  # submitted just before the drain ended: it never starts
+            self._end(job, End("cancelled"))
+            return
         arrival = max(0.0, s.now() - (time.perf_counter() - job.arrived))
         try:
             job.rid = s.submit(job.ids, arrival=arrival, **job.submit)
