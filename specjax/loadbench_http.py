@@ -8,7 +8,7 @@ the request's `speculation` field ("none" sends "off", "auto" sends "auto", any 
 {"method": M, "k": K}), run one after another on the same prompts.
 
 Measured per request on the client, from the moment it sent the request:
-- TTFT: to the first streamed token; E2E: to the last;
+- TTFT: to the first streamed token; E2E: to the end of the stream (its last event);
 - TPOT = (E2E - TTFT) / (tokens - 1): the fair per-token figure under speculation, where one
   chunk may carry several tokens;
 - ITL: gaps between successive streamed chunks (vLLM's definition; a chunk may carry several tokens).

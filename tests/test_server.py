@@ -83,11 +83,13 @@ def healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running(server: srv.Server):
-    """The server on a free port of 127.0.0.1 in a thread, until warm; stopped afterwards."""
+def running(server):
+    """The server (or a bare ASGI app with /health) on a free port of 127.0.0.1 in a thread, until
+    warm; stopped afterwards."""
     uvicorn = need_module("uvicorn")
     port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(getattr(server, "app", server), host="127.0.0.1", port=port,
+                                       log_level="warning"))
     th = threading.Thread(target=uv.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{port}"
@@ -688,6 +690,100 @@ def test_loadbench_over_http(served, tmp_path):
     for q in data["requests"]:
         assert q["status"] == 200 and q["ttft_s"] <= q["e2e_s"] and q["tokens"] <= 8
     assert cli.main(["loadbench", "--url", url, "--prompts-file", str(path), "--methods", "medusa"]) == 2
+    wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_loadbench_times_from_the_send(tmp_path):
+    """`loadbench_http.one_request` against a scripted SSE server on 127.0.0.1: TTFT counts from
+    the moment the client sent (the server waits 0.3 s before its response even starts), TPOT =
+    (E2E - TTFT) / (tokens - 1), ITL are the gaps between streamed chunks; an error event, a 429
+    and a refused connection are counted as such. `summarize`: p50 / p99, throughput, goodput."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from specjax import loadbench_http as lb
+
+    sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
+
+    async def completions(request):
+        mode = (await request.json())["prompt"]
+        if mode == "busy":
+            return JSONResponse({"error": {"message": "full"}}, status_code=429, headers={"Retry-After": "1"})
+        await asyncio.sleep(0.3)  # before the response starts: a client timing from the headers misses it
+
+        async def events():
+            yield sse({"choices": [{"index": 0, "text": "a", "token_ids": [1], "finish_reason": None}]})
+            if mode == "fail":
+                yield sse({"error": {"message": "engine error"}})
+                return
+            for i in range(3):
+                await asyncio.sleep(0.1)
+                yield sse({"choices": [{"index": 0, "text": "bb", "token_ids": [2, 3],
+                                        "finish_reason": "length" if i == 2 else None}]})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/health", lambda r: JSONResponse({"status": "ok"}))])
+
+    async def main(url):
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await asyncio.wait_for(asyncio.gather(*(
+                lb.one_request(c, url + "/v1/completions", {"prompt": m}) for m in ("ok", "fail", "busy"))), 30)
+
+    with running(app) as url:
+        ok, fail, busy = asyncio.run(main(url))
+        closed = asyncio.run(main(f"http://127.0.0.1:{free_port()}"))[0]  # nothing listens there
+    assert ok["status"] == 200 and ok["tokens"] == 7 and ok["finish"] == "length"
+    assert 0.3 <= ok["ttft_s"] < 0.3 + 1.0, ok
+    assert ok["e2e_s"] >= ok["ttft_s"] + 0.3 - 0.03
+    assert ok["tpot_s"] == pytest.approx((ok["e2e_s"] - ok["ttft_s"]) / 6)
+    assert len(ok["itl_s"]) == 3 and all(0.1 - 0.03 <= x < 1.0 for x in ok["itl_s"]), ok["itl_s"]
+    assert (fail["status"], fail["error"]) == (500, "engine error")
+    assert busy["status"] == 429 and closed["status"] == 0
+
+    rows = [dict(status=200, ttft_s=t, e2e_s=t + 1.0, tokens=11, tpot_s=0.1, itl_s=[0.1] * 10)
+            for t in (0.1, 0.2, 0.3, 5.0)] + [dict(status=429), dict(status=500)]
+    out = lb.summarize(rows, 2.0, slo={"ttft": 1.0, "tpot": 0.2})
+    assert (out["requests"], out["completed"], out["refused_429"], out["failed"]) == (6, 4, 1, 1)
+    assert out["tokens"] == 44 and out["output_tok_s"] == 22.0 and out["request_per_s"] == 2.0
+    assert out["goodput_req_s"] == 1.5  # three of the four meet TTFT <= 1 s
+    assert out["ttft_p50_s"] == pytest.approx(0.25) and out["ttft_p99_s"] == pytest.approx(np.percentile(
+        [0.1, 0.2, 0.3, 5.0], 99))
+    assert out["tpot_p99_s"] == pytest.approx(0.1) and out["itl_p50_s"] == pytest.approx(0.1)
+    assert lb.summarize(rows, 2.0, slo={"tpot": 0.05})["goodput_req_s"] == 0.0
+
+
+def test_loadbench_poisson_and_surge_over_http(served, tmp_path):
+    """`specjax loadbench --url` with Poisson arrivals (--rate) and with the surge (--surge):
+    every request completes; the surge reports each phase apart."""
+    from specjax import cli
+
+    eng, server, url = served
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "task": "t", "turns": [p]}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "rate.json"
+    assert cli.main(["loadbench", "--url", url, "--prompts-file", str(path), "--methods", "ngram",
+                     "--rate", "20", "--concurrency", "4", "--max-new-tokens", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    [run] = [r for r in data["records"] if r["task"] == "all"]
+    assert run["load"] == "20.0/s x4" and run["completed"] == len(PROMPTS) and run["failed"] == 0
+    starts = sorted(q["start_s"] for q in data["requests"])
+    assert starts[-1] > 0.05  # spread over time, not all at once
+
+    out = tmp_path / "surge.json"
+    assert cli.main(["loadbench", "--url", url, "--prompts-file", str(path), "--methods", "none",
+                     "--surge", "5:0.4,30:0.4,5:0.4", "--concurrency", "8", "--max-new-tokens", "4",
+                     "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    by = {r["task"]: r for r in data["records"]}
+    assert by["all"]["load"] == "surge x8" and by["all"]["failed"] == 0
+    phases = [by[k] for k in sorted(by) if k.startswith("phase ")]
+    assert sum(p["requests"] for p in phases) == by["all"]["requests"] == len(data["requests"]) > 0
+    assert max(p["requests"] for p in phases) == by["phase 1"]["requests"]  # the peak
     wait_until(lambda: idle(server), 10, "the engine to go idle")
 
 
