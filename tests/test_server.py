@@ -147,6 +147,7 @@ def test_openai_client_greedy_equals_generate(served, reference, client, specula
     """Chat and completion, streamed and not: the tokens and text of Engine.generate, plain and
     with prompt lookup; usage and finish_reason as OpenAI's."""
     eng, server, _ = served
+    compiled = eng.compile_count  # the warm-up compiled every program: no request compiles anything
     extra = {"speculation": speculation, "return_token_ids": True}
     for p in PROMPTS[:2]:
         ref = reference[("chat", p)]
@@ -185,7 +186,43 @@ def test_openai_client_greedy_equals_generate(served, reference, client, specula
             toks += ch.choices[0].model_extra.get("token_ids", [])
             text += ch.choices[0].text
         assert toks == ref and text == _text(eng, ref)
+    assert eng.compile_count == compiled
     wait_until(lambda: idle(server), 10, "the engine to go idle")
+
+
+def test_auto_server_greedy_equals_generate(served, reference):
+    """A `--method auto` server (the controller over plain and prompt lookup; the module's
+    programs, so only the calibration runs): the controller decides "auto" requests, and every
+    request, auto, off or naming its method, decodes Engine.generate's greedy tokens."""
+    from specjax.controller import ControllerConfig
+
+    eng = served[0]
+    compiled = eng.compile_count
+    sched = srv.scheduler_for(eng, method="auto", controller=ControllerConfig(ks=(0, 4)), slots=4,
+                              max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=64)
+    server = srv.Server(sched, srv.ServeConfig(model_name=MODEL))
+    with running(server) as url:
+        info = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["speculation"]
+        assert info == {"mode": "auto", "options": ["none", "ngram:4"]}
+        for spec in ("auto", "off", {"method": "ngram", "k": 4}):
+            for p in PROMPTS:
+                body = {"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                        "speculation": spec, "stream": True}
+                toks = []
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            toks += json.loads(line[6:])["choices"][0].get("token_ids", [])
+                assert toks == reference[("completion", p)], (spec, p)
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS,
+                "return_token_ids": True, "speculation": spec}).json()
+            assert r["choices"][0]["token_ids"] == reference[("chat", PROMPTS[0])]
+        wait_until(lambda: idle(server), 10, "the engine to go idle")
+        reasons = {c.reason for c in sched.chunk_log}
+        assert "fixed" not in reasons and {"opt_out", "requested"} <= reasons, reasons
+        assert any(c.option == "ngram:4" and c.reason not in ("requested",) for c in sched.chunk_log)
+    assert eng.compile_count == compiled
 
 
 def test_sampling_per_request(served, reference):
@@ -505,6 +542,9 @@ def test_deadline_ends_with_timeout(served, client, monkeypatch):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
                                   extra_body={"timeout": 0.25, "speculation": "off"})
     assert r.choices[0].finish_reason == "timeout" and r.usage.completion_tokens < MAX_TOKENS
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, stream=True,
+                                            extra_body={"timeout": 0.25, "speculation": "off"}))
+    assert chunks[-1].choices[0].finish_reason == "timeout"
     wait_until(lambda: idle(server), 10, "the engine to go idle")
 
 
@@ -522,15 +562,24 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         return insert_args(slot, req, p)
 
     monkeypatch.setattr(sched, "_insert_args", failing_insert)
+    submit, late = sched.submit, eng.tokenizer.encode("ZZZ")
+
+    def late_check(ids, **kw):  # bad input caught only by the scheduler: that request's 400
+        if list(ids) == late:
+            raise ValueError("the scheduler refuses this prompt")
+        return submit(ids, **kw)
+
+    monkeypatch.setattr(sched, "submit", late_check)
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
             post = lambda p: c.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS,
                                                                    "return_token_ids": True})
-            return await asyncio.gather(post("QQQ"), *(post(p) for p in PROMPTS))
+            return await asyncio.gather(post("QQQ"), post("ZZZ"), *(post(p) for p in PROMPTS))
 
-    failed, *ok = asyncio.run(main())
+    failed, refused, *ok = asyncio.run(main())
     assert failed.status_code == 500 and "prefill failed" in failed.json()["error"]["message"]
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "the scheduler refuses this prompt"
     for p, r in zip(PROMPTS, ok):
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference[("completion", p)]
     assert all(r.status != "queued" for r in sched.requests)
