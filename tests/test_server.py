@@ -6,6 +6,7 @@ the SIGTERM test runs its own in a subprocess (this file run as a script). Every
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -133,7 +134,9 @@ def idle(server: srv.Server) -> bool:
 
 def live_device_bytes() -> tuple[int, int]:
     """(arrays alive, the bytes the runtime reports for their buffers): device memory as measured on
-    any backend (the CPU's allocator reports no bytes in use)."""
+    any backend (the CPU's allocator reports no bytes in use). Garbage (earlier tests' servers) is
+    collected first."""
+    gc.collect()
     arrays = [x for x in jax.live_arrays() if not x.is_deleted()]
     return len(arrays), sum(x.on_device_size_in_bytes() for x in arrays)
 
@@ -248,6 +251,7 @@ def test_sampling_per_request(served, reference):
             assert ask(p, temperature=1.3, seed=5, **same) == ask(p, temperature=1.3, seed=5, **same)
             assert ask(p, temperature=0.0) == reference[("completion", p)]
             assert ask(p, temperature=1.3, extra={"top_k": 1}) == reference[("completion", p)]
+            assert ask(p, temperature=1.3, top_p=1e-6) == reference[("completion", p)]  # the top token only
         outs = {tuple(ask(PROMPTS[2], temperature=1.5, seed=s, extra={"speculation": "off"})) for s in range(4)}
         assert len(outs) > 1
 
@@ -355,7 +359,8 @@ def test_models_health_metrics(served, client):
     before = scrape(url)
     counters, tokens = [], 0
     for p, task in ((PROMPTS[0], "cfgclass"), (PROMPTS[1], "cfgclass"), (PROMPTS[3], "diagclass")):
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, extra_body={"task": task})
+        by = dict(extra_body={"task": task}) if task == "cfgclass" else dict(extra_headers={"X-Task": task})
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, **by)
         counters.append((task, r.model_extra["metrics"]["speculative_decoding"]))
         tokens += r.usage.completion_tokens
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, extra_body={"speculation": "off"})
@@ -672,6 +677,30 @@ def test_tenants_never_see_each_others_text(served):
             assert bool(found[0]) == expect, (gram, tenant)
             if expect and len(gram) == table.max_n:
                 assert draft[0].tolist() == follow[slot, :4].tolist()
+
+
+def test_tenant_scopes(served):
+    """Whose scope a request reads and writes: its API key, else its `user`, else the anonymous
+    tenant 0; everyone's 0 with share_ngram_table. The server remembers the last max_tenants
+    tenants: one forgotten gets a new id when it returns; ids are never reused."""
+    from starlette.requests import Request as HTTPRequest
+
+    eng = served[0]
+    server = tiny_server(eng)  # never started: nothing compiles
+    req = lambda key=None: HTTPRequest({"type": "http", "method": "POST", "path": "/", "headers": [] if key is None
+                                        else [(b"authorization", f"Bearer {key}".encode())]})
+    a, b = server.tenant(req("key-a"), None), server.tenant(req("key-b"), "alice")
+    assert 0 < a < b and server.tenant(req("key-a"), "bob") == a  # the key decides, not the user
+    alice = server.tenant(req(), "alice")
+    assert alice not in (0, a, b) and server.tenant(req(), "alice") == alice
+    assert server.tenant(req(), None) == 0 and server.tenant(req(""), None) == 0
+    server.max_tenants = 3
+    server.tenant(req("key-a"), None)  # a is now the most recently seen
+    server.tenant(req(), "carol")  # forgets the least recently seen: b
+    assert len(server._tenants) == 3 and server.tenant(req("key-a"), None) == a
+    assert server.tenant(req("key-b"), None) not in (0, a, b, alice)  # b again: a new id
+    shared = tiny_server(eng, share_ngram_table=True)
+    assert shared.tenant(req("key-a"), "alice") == 0 and not shared._tenants
 
 
 def test_tenant_text_is_never_proposed_to_another_tenant(served):

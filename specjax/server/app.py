@@ -13,6 +13,7 @@ next chunk boundary. A client that disconnects cancels its request the same way.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -37,6 +38,7 @@ from specjax.server.protocol import APIError, ChatRequest, CompletionRequest, ba
 
 
 MAX_TASKS = 64  # task classes kept apart (per-class acceptance); later ones count as "other"
+MAX_TENANTS = 100_000  # tenants remembered (least recently seen forgotten first)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,7 +108,9 @@ class Server:
                                    on_end=self.metrics.on_end, on_ready=on_ready)
         self.metrics.watch(self.engine)
         self._drainer: threading.Thread | None = None
-        self._tenants: dict[str, int] = {}
+        self._tenants: collections.OrderedDict[str, int] = collections.OrderedDict()  # hashed key -> id, LRU
+        self._next_tenant = 1
+        self.max_tenants = MAX_TENANTS
         self._task_names: set[str] = set()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -217,13 +221,21 @@ class Server:
         return 0 if key is None else self.tenant_id(key)
 
     def tenant_id(self, key: str) -> int:
-        """The id of tenant `key` ("key:<API key>" or "user:<user>"), given on first sight."""
+        """The id of tenant `key` ("key:<API key>" or "user:<user>"), given on first sight. The
+        server remembers the last `max_tenants` tenants (a client sending a new `user` each time
+        cannot grow it without bound); one forgotten and seen again gets a new id, so its old
+        table entries are never proposed again, to it or anyone. Ids are never reused."""
         h = hashlib.sha256(key.encode()).hexdigest()
-        if h not in self._tenants:
-            if len(self._tenants) >= 2 ** 31 - 2:
-                raise APIError(503, "too many tenants for the n-gram table's scopes; restart the server",
-                               type="server_error")
-            self._tenants[h] = len(self._tenants) + 1
+        if h in self._tenants:
+            self._tenants.move_to_end(h)
+            return self._tenants[h]
+        if self._next_tenant >= 2 ** 31:
+            raise APIError(503, "too many tenants for the n-gram table's scopes; restart the server",
+                           type="server_error")
+        self._tenants[h] = self._next_tenant
+        self._next_tenant += 1
+        while len(self._tenants) > self.max_tenants:
+            self._tenants.popitem(last=False)
         return self._tenants[h]
 
     def _submit_args(self, request: HTTPRequest, body, ids: list[int], max_tokens: int | None) -> dict:
