@@ -815,10 +815,11 @@ def test_loadbench_times_from_the_send(tmp_path):
         ok, fail, busy = asyncio.run(main(url))
         closed = asyncio.run(main(f"http://127.0.0.1:{free_port()}"))[0]  # nothing listens there
     assert ok["status"] == 200 and ok["tokens"] == 7 and ok["finish"] == "length"
-    assert 0.3 <= ok["ttft_s"] < 0.3 + 1.0, ok
-    assert ok["e2e_s"] >= ok["ttft_s"] + 0.3 - 0.03
+    assert 0.3 <= ok["ttft_s"] < 0.3 + 1.0, ok  # no client can see a token before the server sent it
     assert ok["tpot_s"] == pytest.approx((ok["e2e_s"] - ok["ttft_s"]) / 6)
-    assert len(ok["itl_s"]) == 3 and all(0.1 - 0.03 <= x < 1.0 for x in ok["itl_s"]), ok["itl_s"]
+    # the three later chunks were sent 0.1 s apart (a busy client may read one late: some slack)
+    assert len(ok["itl_s"]) == 3 and all(0 < x < 1.0 for x in ok["itl_s"]), ok["itl_s"]
+    assert sum(ok["itl_s"]) > 0.3 - 0.15 and ok["e2e_s"] - ok["ttft_s"] >= sum(ok["itl_s"])
     assert (fail["status"], fail["error"]) == (500, "engine error")
     assert busy["status"] == 429 and closed["status"] == 0
 
