@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -36,6 +37,8 @@ from specjax.server.engine_thread import End, EngineThread, Job, NotAccepting, Q
 from specjax.server.metrics import Metrics, memory_added, memory_now, memory_parts
 from specjax.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
+
+log = logging.getLogger("specjax.server")
 
 MAX_TASKS = 64  # task classes kept apart (per-class acceptance); later ones count as "other"
 MAX_TENANTS = 100_000  # tenants remembered (least recently seen forgotten first)
@@ -102,7 +105,10 @@ class Server:
 
         def on_ready():  # in the engine thread, once compiled and warmed up
             self.metrics.record_startup("caches_and_programs", memory_added(loaded, memory_now()))
-            self.metrics.record_parts(memory_parts(sched))
+            try:
+                self.metrics.record_parts(memory_parts(sched))
+            except Exception:  # a metric must never keep the server from starting
+                log.exception("cannot measure the device buffers per part")
 
         self.engine = EngineThread(sched, max_queue=config.max_queue, on_chunk=self.metrics.on_chunk,
                                    on_end=self.metrics.on_end, on_ready=on_ready)
