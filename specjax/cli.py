@@ -7,7 +7,7 @@ import json
 import sys
 
 from specjax.prompts import Prompt, read_prompts
-from specjax.proposers.registry import FACTORIES
+from specjax.proposers.registry import RECORDS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +70,7 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
                             "(loadbench); "
                             "none is always measured as the baseline")
     else:
-        p.add_argument("--method", default="none", choices=["none", *FACTORIES, "auto"],
+        p.add_argument("--method", default="none", choices=["none", *RECORDS, "auto"],
                        help="speculation method (none = plain decoding; auto = the adaptive controller "
                             "through the scheduler, with the plain loop measured beside it)")
     p.add_argument("--k", type=int, default=None,
@@ -110,8 +110,8 @@ def _spec(args):
 def eagle_spec(engine, args, *, tree: bool | None = None):
     """`--method eagle`: the loaded head's tuned chain (or tree, with --nodes), flags overriding."""
     tree = bool(args.nodes) if tree is None else tree
-    return engine.eagle.spec(tree=tree, k=args.k, nodes=args.nodes if tree else None,
-                             topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
+    return engine.tuned("eagle", tree=tree, k=args.k, nodes=args.nodes if tree else None,
+                        topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
 
 
 def _prompts(args) -> list[Prompt]:
@@ -245,12 +245,7 @@ def _generate_auto(args, opts, prompts) -> int:
         engine.load_heads(args.heads or "default")
     if use("eagle", args.eagle, eagle_io.shipped_eagle_dir):
         engine.load_eagle(args.eagle or "default")
-    ccfg, named = ControllerConfig(), {}
-    if engine.heads is not None:
-        ccfg, named = loadbench._with_medusa(engine, ccfg, None)
-    if engine.eagle is not None:
-        ccfg, more = loadbench.with_eagle(engine, ccfg)
-        named = {**named, **more}
+    ccfg, named = loadbench.with_assets(engine, ControllerConfig())
     if methods is not None and "ngram" not in methods:  # Medusa's and EAGLE's options are in `extra`
         ccfg = dataclasses.replace(ccfg, methods=())
     texts = [p.text for p in prompts]
@@ -328,16 +323,160 @@ def _generate_auto(args, opts, prompts) -> int:
     return 0
 
 
+def _bench_spec(method: str, args, engine=None):
+    """The `SpecConfig` of a bench method name; `eagle` / `eagle-tree` are the loaded head's tuned
+    chain / dynamic tree (flags override), so they need the `engine`."""
+    from specjax.config import SpecConfig, parse_tree
+
+    if method in ("eagle", "eagle-tree"):
+        return None if engine is None else eagle_spec(engine, args, tree=method == "eagle-tree")
+    return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
+                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if method == "medusa" else None)
+
+
 def cmd_bench(args) -> int:
+    """`specjax bench` (`specjax.bench`): validates everything, loads the model, runs, prints and writes."""
     from specjax import bench
 
-    return bench.main(args)
+    if getattr(args, "verify_profile", False):
+        from specjax import verify_profile
+
+        verify_profile.main([args.model], repeats=max(args.repeats or 1, 15), json_path=args.json_path)
+        return 0
+    from specjax.engine import Engine, GenerateOptions
+    from specjax.prompts import bench_prompts, check_output_paths
+
+    methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
+    bad = [m for m in methods if m not in bench.OFFLINE_METHODS]
+    if bad:
+        hint = " (auto is a scheduler policy: see `specjax loadbench`)" if "auto" in bad else ""
+        raise ValueError(f"unknown method {bad[0]!r}: use one of {', '.join(bench.OFFLINE_METHODS)}{hint}")
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
+    opts.validate()
+    check_output_paths(args.json_path)
+    repeats = 1 if args.repeats is None else args.repeats
+    if repeats < 1 or args.batch_size < 1:
+        raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
+    if "draft" in methods and not args.draft_model:
+        raise ValueError("--methods includes draft: give --draft-model NAME")
+    specs = {m: _bench_spec(m, args) for m in methods}
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks,
+                            default=bench.SYNTHETIC_PROMPT)
+    heads = (args.heads or "default") if "medusa" in methods else None
+    eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
+                         mesh=mesh_arg(args))
+    specs = {m: spec or _bench_spec(m, args, engine) for m, spec in specs.items()}
+    engine.check([p.text for p in prompts], opts, chat=args.chat)
+    for spec in specs.values():
+        engine.proposer(spec)
+    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"methods {', '.join(methods)}, batch {args.batch_size}, greedy", file=sys.stderr)
+    rows = bench.run(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size, repeats=repeats)
+    records = bench.summarize(rows)
+    extra = bench.roofline(engine.model)
+    plain = next(r for r in records if r["method"] == "none" and r["task"] == "all")
+    extra["fraction_of_roofline"] = plain["tok_s"] / extra["roofline_tok_s"] if args.batch_size == 1 else None
+    extra["memory_per_device"] = bench.memory(engine, prompts, specs, opts, chat=args.chat,
+                                              batch_size=args.batch_size)
+    if args.hf:
+        extra.update(bench.hf_baseline(args.model, engine, prompts, opts, rows, chat=args.chat))
+    print(bench.markdown(records))
+    print()
+    print(bench.roofline_markdown(extra))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
+    return 0
 
 
 def cmd_loadbench(args) -> int:
-    from specjax import loadbench
+    """`specjax loadbench` (`specjax.loadbench`, or `specjax.loadbench_http` with --url): validates
+    everything, loads the model, runs, prints and writes."""
+    if getattr(args, "url", None):  # a running server, over HTTP
+        from specjax import loadbench_http
 
-    return loadbench.main(args)
+        return loadbench_http.main(args)
+    import dataclasses
+    import pathlib
+
+    from specjax import loadbench, surge
+    from specjax.bench import SYNTHETIC_PROMPT
+    from specjax.config import SpecConfig, parse_tree
+    from specjax.controller import ControllerConfig
+    from specjax.engine import GenerateOptions
+    from specjax.prompts import bench_prompts, check_output_paths
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    auto_ks = loadbench.int_list(args.auto_k, "auto-k")
+    phases = surge.parse_phases(args.surge) if args.surge else None
+    conc = loadbench.int_list(args.concurrency, "concurrency") if args.concurrency else (
+        (16,) if phases else loadbench.DEFAULT_CONCURRENCY)
+    sizes = loadbench.int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else (
+        tuple(x for x in (1, 2, 4, 8, 16, 32, 64) if x < conc[0]) if phases else None)
+    plan = loadbench.LoadPlan(methods=methods, rate=args.rate, chunk=args.chunk, repeats=args.repeats or 1,
+                              concurrency=conc, surge=phases, batch_sizes=sizes,
+                              auto=ControllerConfig(ks=(0,) + auto_ks, max_step_cost=args.auto_max_step_cost))
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
+    opts.validate()
+    check_output_paths(args.json_path, args.telemetry, args.runs_json)
+    if args.plots:
+        check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
+    if "draft" in plan.methods and not args.draft_model:
+        raise ValueError("--methods includes draft: give --draft-model NAME")
+    k = 4 if args.k is None else args.k
+    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+             for m in ("ngram", "draft") if m in plan.methods}
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
+    tree = parse_tree(args.tree)
+    if "medusa" in plan.methods:
+        specs["medusa"] = SpecConfig(method="medusa", k=k, tree=tree)
+    engine = _load_for_loadbench(args, plan)
+    if engine.eagle is not None and "eagle" in plan.methods:
+        specs["eagle"] = engine.tuned("eagle")
+    auto, auto_specs = loadbench.with_assets(engine, plan.auto, specs)
+    plan = dataclasses.replace(plan, auto=auto)
+    if not args.file_order:
+        prompts = loadbench.interleave(prompts)
+    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"methods {', '.join(plan.methods)}, concurrency {plan.concurrency}, "
+          f"{'Poisson %.2f req/s' % plan.rate if plan.rate else 'closed loop'}", file=sys.stderr)
+    print(f"auto chooses among {', '.join(f'{m}:{k}' for m, k in plan.auto.options)}", file=sys.stderr)
+    req_rows, run_rows = loadbench.run(engine, prompts, plan, opts, chat=args.chat, specs=specs,
+                                       auto_specs=auto_specs)
+    records = loadbench.summarize(req_rows, run_rows)
+    print(loadbench.markdown(records))
+    if phases:
+        records = dict(by_task=records, by_phase=surge.summarize(req_rows, run_rows, phases))
+        print("\n" + surge.markdown(records["by_phase"]))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.telemetry:
+        from specjax import telemetry
+
+        telemetry.write_jsonl(args.telemetry, loadbench.telemetry_rows(req_rows))
+    if args.runs_json:
+        with open(args.runs_json, "w") as f:
+            json.dump(run_rows, f, indent=1)
+    if args.plots:
+        paths = loadbench.plot(records["by_task"] if phases else records, args.plots)
+        if phases:
+            paths.append(surge.plot(req_rows, run_rows, phases, args.plots))
+        print("plots: " + ", ".join(paths), file=sys.stderr)
+    return 0
+
+
+def _load_for_loadbench(args, plan):
+    from specjax.engine import Engine
+    from specjax.models import eagle_io
+
+    heads = (args.heads or "default") if "medusa" in plan.methods or args.heads else None
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
+    if "eagle" in plan.methods or args.eagle or ("auto" in plan.methods and eagle_io.shipped_eagle_dir(engine.name)):
+        engine.load_eagle(args.eagle or "default")
+    return engine
+
 
 
 def cmd_serve(args) -> int:
@@ -370,12 +509,7 @@ def cmd_serve(args) -> int:
     if args.method == "auto":
         if "ngram" not in auto_methods:
             raise ValueError("--auto-methods must include ngram (auto's cheapest option)")
-        ccfg, named = ControllerConfig(), {}
-        if engine.heads is not None:
-            ccfg, named = loadbench._with_medusa(engine, ccfg, None)
-        if engine.eagle is not None:
-            ccfg, more = loadbench.with_eagle(engine, ccfg)
-            named = {**named, **more}
+        ccfg, named = loadbench.with_assets(engine, ControllerConfig())
     elif args.method == "eagle":
         spec = eagle_spec(engine, args)
     elif args.method != "none":

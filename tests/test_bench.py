@@ -128,10 +128,10 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
                         rngs=nnx.Rngs(0))
     eng = Engine(tiny_model, heads=heads)
-    auto, named = loadbench._with_medusa(eng, ControllerConfig(ks=(0, 2, 8)), None)
+    auto, named = loadbench.with_assets(eng, ControllerConfig(ks=(0, 2, 8)))
     assert auto.options == (("none", 0), ("ngram", 2), ("ngram", 8), ("medusa", 2)) and named == {}
     tree = SpecConfig(method="medusa", tree="small")
-    auto, named = loadbench._with_medusa(eng, ControllerConfig(ks=(0, 4)), tree)
+    auto, named = loadbench.with_assets(eng, ControllerConfig(ks=(0, 4)), {"medusa": tree})
     assert auto.options[-2:] == (("medusa", 4), ("medusa-tree", tree.k)) and named["medusa-tree"] == tree
 
 
