@@ -102,7 +102,8 @@ def _hf_generate(model, ids: list[int], max_new: int) -> tuple[list[int], float]
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-OFFLINE_METHODS = ("none", *RECORDS, "eagle-tree")  # eagle-tree: eagle with a dynamic tree
+# and for a method with tuned settings, its tuned tree: eagle-tree is eagle with its dynamic tree
+OFFLINE_METHODS = ("none", *RECORDS, *(f"{m}-tree" for m, r in RECORDS.items() if r.tuned is not None))
 
 
 def run(engine, prompts, specs: dict, opts, *, chat: bool = False, batch_size: int = 1, repeats: int = 1,

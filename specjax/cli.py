@@ -7,6 +7,7 @@ import json
 import sys
 
 from specjax.prompts import Prompt, read_prompts
+from specjax.proposers import registry
 from specjax.proposers.registry import RECORDS
 
 
@@ -100,18 +101,46 @@ def _spec(args):
 
     if args.method in ("none", "auto"):
         return SpecConfig()
-    if args.method == "eagle":
-        return None  # from the loaded head's tuning (`eagle_spec`)
+    if registry.record(args.method).tuned is not None:
+        return None  # from the loaded assets' tuning (`tuned_spec`)
     tree = parse_tree(getattr(args, "tree", None))
     return SpecConfig(method=args.method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
                       ngram_max=args.ngram_max, tree=tree)
 
 
-def eagle_spec(engine, args, *, tree: bool | None = None):
-    """`--method eagle`: the loaded head's tuned chain (or tree, with --nodes), flags overriding."""
+def tuned_spec(engine, method: str, args, *, tree: bool | None = None):
+    """A method with tuned settings (`--method eagle`): the loaded assets' tuned chain (or tree, with
+    --nodes), flags overriding."""
     tree = bool(args.nodes) if tree is None else tree
-    return engine.tuned("eagle", tree=tree, k=args.k, nodes=args.nodes if tree else None,
+    return engine.tuned(method, tree=tree, k=args.k, nodes=args.nodes if tree else None,
                         topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
+
+
+def _given(args, method: str):
+    """What the method's asset flag gave (`--heads DIR`, `--draft-model NAME`, ...), or None."""
+    flag = registry.record(method).flag
+    return None if flag is None else getattr(args, flag.lstrip("-").replace("-", "_"), None)
+
+
+def _check_given(args, methods, *, how: str) -> None:
+    """A method whose asset ships with no model (a draft model) needs its flag: fail before loading."""
+    for m in methods:
+        rec = registry.record(m)
+        if rec.flag is not None and rec.shipped is None and not _given(args, m):
+            raise ValueError(how.format(method=m, flag=rec.flag, value=rec.flag_value))
+
+
+def _load_assets(engine, args, methods) -> None:
+    """Loads the assets of `methods` that the Engine does not take itself: the given ones, else those
+    shipped for the model ("default")."""
+    for m in dict.fromkeys(methods):
+        rec = registry.record(m)
+        if rec.load is not None:
+            rec.load(engine, _given(args, m) or "default")
+
+
+NEEDS_FLAG = "--method {method} needs {flag} {value}"
+INCLUDES_NEEDS_FLAG = "--methods includes {method}: give {flag} {value}"
 
 
 def _prompts(args) -> list[Prompt]:
@@ -148,20 +177,18 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= {0 if name == 'nodes' else 1}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
-    if spec is not None and spec.method == "draft" and not args.draft_model:
-        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    if args.method not in ("none", "auto"):
+        _check_given(args, [args.method], how=NEEDS_FLAG)
     if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
         raise ValueError("--repeats and --auto-methods are for --method auto")
     prompts = _prompts(args)
     if args.method == "auto":
         return _generate_auto(args, opts, prompts)
-    heads = (args.heads or "default") if spec is not None and spec.method == "medusa" else None
-    eagle = (args.eagle or "default") if args.method == "eagle" else None
-    mesh = mesh_arg(args)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
-                         mesh=mesh)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))
+    if args.method != "none":
+        _load_assets(engine, args, [args.method])
     if spec is None:
-        spec = eagle_spec(engine, args)
+        spec = tuned_spec(engine, args.method, args)
     texts = [p.text for p in prompts]
     b = engine.rows_for(min(args.batch_size, len(prompts)))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
@@ -186,7 +213,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-AUTO_METHODS = ("ngram", "medusa", "eagle")
+# what auto may choose: prompt lookup, and the methods whose loaded assets give it options
+AUTO_METHODS = tuple(m for m, r in RECORDS.items() if registry.looks_up(m) or r.auto is not None)
 
 # `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
 # look up (a configuration file names its service, ports and paths again and again) and cannot where
@@ -228,7 +256,6 @@ def _generate_auto(args, opts, prompts) -> int:
     from specjax import compare, loadbench
     from specjax.controller import ControllerConfig
     from specjax.engine import Engine
-    from specjax.models import eagle_io, heads_io
     from specjax.scheduler import Scheduler
 
     if getattr(args, "mesh", None) is not None:
@@ -240,14 +267,12 @@ def _generate_auto(args, opts, prompts) -> int:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
     log = lambda m: print(m, file=sys.stderr, flush=True)
     engine = Engine.load(args.model, dtype=args.dtype)
-    use = lambda m, given, shipped: m in methods if methods is not None else bool(given or shipped(engine.name))
-    if use("medusa", args.heads, heads_io.shipped_heads_dir):
-        engine.load_heads(args.heads or "default")
-    if use("eagle", args.eagle, eagle_io.shipped_eagle_dir):
-        engine.load_eagle(args.eagle or "default")
+    # the methods chosen, or (none chosen) those the model has assets for, given or shipped
+    _load_assets(engine, args, [m for m in AUTO_METHODS if registry.record(m).load is not None and (
+        m in methods if methods is not None else bool(_given(args, m) or registry.record(m).shipped(engine.name)))])
     ccfg, named = loadbench.with_assets(engine, ControllerConfig())
-    if methods is not None and "ngram" not in methods:  # Medusa's and EAGLE's options are in `extra`
-        ccfg = dataclasses.replace(ccfg, methods=())
+    if methods is not None:  # the assets' options are in `extra`; `methods` keeps prompt lookup if chosen
+        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in ccfg.methods if m in methods))
     texts = [p.text for p in prompts]
     longest = max(len(x) for x in engine.check(texts, opts, chat=args.chat))
     slots = min(args.batch_size, len(prompts))
@@ -323,15 +348,17 @@ def _generate_auto(args, opts, prompts) -> int:
     return 0
 
 
-def _bench_spec(method: str, args, engine=None):
-    """The `SpecConfig` of a bench method name; `eagle` / `eagle-tree` are the loaded head's tuned
-    chain / dynamic tree (flags override), so they need the `engine`."""
+def _bench_spec(label: str, args, engine=None):
+    """The `SpecConfig` of a bench method label; a method with tuned settings (eagle, and eagle-tree
+    for its tree) runs the loaded assets' tuning (flags override), so it needs the `engine`."""
     from specjax.config import SpecConfig, parse_tree
 
-    if method in ("eagle", "eagle-tree"):
-        return None if engine is None else eagle_spec(engine, args, tree=method == "eagle-tree")
+    method = registry.base(label)
+    rec = registry.record(method)
+    if rec.tuned is not None:
+        return None if engine is None else tuned_spec(engine, method, args, tree=label != method)
     return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if method == "medusa" else None)
+                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if "tree" in rec.options else None)
 
 
 def cmd_bench(args) -> int:
@@ -357,15 +384,13 @@ def cmd_bench(args) -> int:
     repeats = 1 if args.repeats is None else args.repeats
     if repeats < 1 or args.batch_size < 1:
         raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
-    if "draft" in methods and not args.draft_model:
-        raise ValueError("--methods includes draft: give --draft-model NAME")
+    used = [registry.base(m) for m in methods if m != "none"]  # the methods behind the labels
+    _check_given(args, used, how=INCLUDES_NEEDS_FLAG)
     specs = {m: _bench_spec(m, args) for m in methods}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks,
                             default=bench.SYNTHETIC_PROMPT)
-    heads = (args.heads or "default") if "medusa" in methods else None
-    eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
-                         mesh=mesh_arg(args))
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))
+    _load_assets(engine, args, used)
     specs = {m: spec or _bench_spec(m, args, engine) for m, spec in specs.items()}
     engine.check([p.text for p in prompts], opts, chat=args.chat)
     for spec in specs.values():
@@ -404,7 +429,7 @@ def cmd_loadbench(args) -> int:
     from specjax.bench import SYNTHETIC_PROMPT
     from specjax.config import SpecConfig, parse_tree
     from specjax.controller import ControllerConfig
-    from specjax.engine import GenerateOptions
+    from specjax.engine import Engine, GenerateOptions
     from specjax.prompts import bench_prompts, check_output_paths
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -422,18 +447,19 @@ def cmd_loadbench(args) -> int:
     check_output_paths(args.json_path, args.telemetry, args.runs_json)
     if args.plots:
         check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
-    if "draft" in plan.methods and not args.draft_model:
-        raise ValueError("--methods includes draft: give --draft-model NAME")
-    k = 4 if args.k is None else args.k
-    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-             for m in ("ngram", "draft") if m in plan.methods}
+    used = [m for m in plan.methods if m not in ("none", "auto")]
+    _check_given(args, used, how=INCLUDES_NEEDS_FLAG)
+    k, tree = 4 if args.k is None else args.k, parse_tree(args.tree)
+    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                           tree=tree if "tree" in registry.record(m).options else None)
+             for m in used if registry.record(m).tuned is None}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    tree = parse_tree(args.tree)
-    if "medusa" in plan.methods:
-        specs["medusa"] = SpecConfig(method="medusa", k=k, tree=tree)
-    engine = _load_for_loadbench(args, plan)
-    if engine.eagle is not None and "eagle" in plan.methods:
-        specs["eagle"] = engine.tuned("eagle")
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    # a method's assets when it runs or its flag is given; auto also takes the shipped assets that
+    # carry their own tuning (an EAGLE head's chain and tree), not those whose options it derives
+    _load_assets(engine, args, [m for m in RECORDS if m in used or _given(args, m) or (
+        "auto" in plan.methods and RECORDS[m].tuned is not None and RECORDS[m].shipped(engine.name))])
+    specs.update({m: engine.tuned(m) for m in used if registry.record(m).tuned is not None})
     auto, auto_specs = loadbench.with_assets(engine, plan.auto, specs)
     plan = dataclasses.replace(plan, auto=auto)
     if not args.file_order:
@@ -467,16 +493,6 @@ def cmd_loadbench(args) -> int:
     return 0
 
 
-def _load_for_loadbench(args, plan):
-    from specjax.engine import Engine
-    from specjax.models import eagle_io
-
-    heads = (args.heads or "default") if "medusa" in plan.methods or args.heads else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
-    if "eagle" in plan.methods or args.eagle or ("auto" in plan.methods and eagle_io.shipped_eagle_dir(engine.name)):
-        engine.load_eagle(args.eagle or "default")
-    return engine
-
 
 
 def cmd_serve(args) -> int:
@@ -485,33 +501,32 @@ def cmd_serve(args) -> int:
     from specjax import server as srv
     from specjax.controller import ControllerConfig
     from specjax.engine import Engine
-    from specjax.models import eagle_io, heads_io
     from specjax.server.metrics import memory_added, memory_now
 
     for name in ("slots", "max_tokens", "max_prompt_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.method == "draft" and not args.draft_model:
-        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    if args.method not in ("none", "auto"):
+        _check_given(args, [args.method], how=NEEDS_FLAG)
     m0 = memory_now()
     engine = Engine.load(args.model, dtype=args.dtype,
                          **({"draft_model": args.draft_model} if args.draft_model else {}))
     m1 = memory_now()
     auto_methods = {m.strip() for m in args.auto_methods.split(",") if m.strip()} if args.method == "auto" else set()
-    if auto_methods - {"ngram", "medusa", "eagle"}:
-        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of ngram,medusa,eagle")
-    if args.method == "medusa" or "medusa" in auto_methods and (args.heads or heads_io.shipped_heads_dir(engine.name)):
-        engine.load_heads(args.heads or "default")
-    if args.method == "eagle" or "eagle" in auto_methods and (args.eagle or eagle_io.shipped_eagle_dir(engine.name)):
-        engine.load_eagle(args.eagle or "default")
+    if auto_methods - set(AUTO_METHODS):
+        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of {','.join(AUTO_METHODS)}")
+    # the method's assets; for auto, those of the methods it may use that are given or shipped
+    _load_assets(engine, args, [m for m in RECORDS if RECORDS[m].load is not None and (
+        args.method == m or m in auto_methods and (_given(args, m) or RECORDS[m].shipped(engine.name)))])
     m2 = memory_now()
     ccfg, named, spec = None, None, None
     if args.method == "auto":
-        if "ngram" not in auto_methods:
-            raise ValueError("--auto-methods must include ngram (auto's cheapest option)")
+        lookups = [m for m in AUTO_METHODS if registry.looks_up(m)]
+        if not auto_methods & set(lookups):
+            raise ValueError(f"--auto-methods must include {' or '.join(lookups)} (auto's cheapest option)")
         ccfg, named = loadbench.with_assets(engine, ControllerConfig())
-    elif args.method == "eagle":
-        spec = eagle_spec(engine, args)
+    elif registry.record(args.method).tuned is not None:
+        spec = tuned_spec(engine, args.method, args)
     elif args.method != "none":
         spec = _spec(args)
     sizes = None
@@ -679,19 +694,21 @@ def _tiny_shape():
 
 def cmd_train_heads(args) -> int:
     """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`), or
-    an EAGLE head with `--kind eagle`; `extract` builds a feature cache instead."""
-    import pathlib
-
+    an EAGLE head with `--kind eagle` (`TRAIN_KINDS`); `extract` builds a feature cache instead."""
     if args.action == "extract":
         return cmd_extract(args)
     if args.action == "coverage":
         return cmd_coverage(args)
-    defaults = EAGLE_DEFAULTS if args.kind == "eagle" else MEDUSA_DEFAULTS
+    defaults, train = TRAIN_KINDS[args.kind]
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.kind == "eagle":
-        return cmd_train_eagle(args)
+    return train(args)
+
+
+def cmd_train_medusa(args) -> int:
+    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
+    import pathlib
 
     from specjax.models.heads import HeadsConfig
     from specjax.train_heads.train import TrainConfig, train_heads
@@ -717,6 +734,10 @@ def cmd_train_heads(args) -> int:
                 max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
                 log=lambda m: print(m, file=sys.stderr, flush=True), mesh=mesh_arg(args), cache=args.cache)
     return 0
+
+
+# the heads `train-heads --kind` trains, for the method of that name: defaults and the command
+TRAIN_KINDS = {registry.MEDUSA: (MEDUSA_DEFAULTS, cmd_train_medusa), registry.EAGLE: (EAGLE_DEFAULTS, cmd_train_eagle)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -822,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one cross-request n-gram table for every tenant (default: one scope per API key "
                          "or user: a tenant's text is never proposed to another)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    sv.add_argument("--auto-methods", default="ngram,medusa,eagle",
+    sv.add_argument("--auto-methods", default=",".join(AUTO_METHODS),
                     help="--method auto: the proposers the controller may use (those the model has assets "
                          "for); each compiles its programs before /health turns 200")
     sv.set_defaults(func=cmd_serve)
@@ -845,7 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
     t.add_argument("--token-input", action="store_true",
                    help="feed the heads the next token's embedding too (EAGLE/Hydra-style input)")
-    t.add_argument("--kind", default="medusa", choices=["medusa", "eagle"],
+    t.add_argument("--kind", default=registry.MEDUSA, choices=list(TRAIN_KINDS),
                    help="medusa: heads on self-distilled answers; eagle: one-layer feature head, teacher-forced")
     t.add_argument("--steps", type=int, default=None, help="default 1000 (medusa) / 400 (eagle)")
     t.add_argument("--batch-size", type=int, default=None,

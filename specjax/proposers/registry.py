@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Callable
 
 from specjax import acceptance
+from specjax.models import eagle_io, heads_io
 from specjax.proposers.draft_model import DraftModelProposer
 from specjax.proposers.eagle import EagleProposer
 from specjax.proposers.medusa import LoadedHeads, MedusaProposer
@@ -64,6 +65,12 @@ class Record:
         loaded assets: `extra` (label, K) options and `named` the `SpecConfig` fields behind a
         label that is not simply (method, K); `ks` are the controller's lengths, `given` the spec
         the user gave for this method (or None). None: the controller's `methods` cover it.
+      flag, flag_value: the command-line flag that gives the method's asset and what it takes
+        (None: the method needs none).
+      shipped: `(model name) -> path | None`, the asset shipped for a model (None: none ship, so
+        the flag must be given).
+      load: `(engine, path) -> None`, loads the asset at `path` ("default": the shipped one) into
+        an `Engine`; None: `Engine.load` takes it (a draft model, loaded in the target's dtype).
     """
 
     name: str
@@ -72,6 +79,10 @@ class Record:
     check: Callable[[Any], None] = _no_checks
     tuned: Callable[[Assets, bool], dict] | None = None
     auto: Callable[[Assets, tuple[int, ...], Any], tuple[list, dict]] | None = None
+    flag: str | None = None
+    flag_value: str = "DIR"
+    shipped: Callable[[str], Any] | None = None
+    load: Callable[[Any, str], None] | None = None
 
 
 def _check_ngram(spec) -> None:
@@ -128,9 +139,13 @@ def _heads_tree(assets: Assets):
 NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names
 RECORDS: dict[str, Record] = {r.name: r for r in (
     Record(NGRAM, NgramProposer.from_spec, options=("ngram_table",), check=_check_ngram),
-    Record(DRAFT, DraftModelProposer.from_spec),
-    Record(MEDUSA, MedusaProposer.from_spec, options=("tree",), auto=_medusa_auto),
-    Record(EAGLE, EagleProposer.from_spec, options=("nodes", "draft_vocab"), tuned=_eagle_tuned, auto=_eagle_auto),
+    Record(DRAFT, DraftModelProposer.from_spec, flag="--draft-model",
+           flag_value="NAME (a model with the target's vocabulary)"),
+    Record(MEDUSA, MedusaProposer.from_spec, options=("tree",), auto=_medusa_auto, flag="--heads",
+           shipped=heads_io.shipped_heads_dir, load=lambda engine, path: engine.load_heads(path)),
+    Record(EAGLE, EagleProposer.from_spec, options=("nodes", "draft_vocab"), tuned=_eagle_tuned,
+           auto=_eagle_auto, flag="--eagle", shipped=eagle_io.shipped_eagle_dir,
+           load=lambda engine, path: engine.load_eagle(path)),
 )}
 
 
@@ -157,6 +172,11 @@ def check(spec) -> None:
             raise ValueError(f"{field}= applies to method {' or '.join(map(repr, owners))} only")
     if spec.method != "none":
         RECORDS[spec.method].check(spec)
+
+
+def base(label: str) -> str:
+    """The method behind an option label (eagle-tree: eagle's tuned tree)."""
+    return label.removesuffix("-tree") if label.endswith("-tree") and label[:-5] in RECORDS else label
 
 
 def looks_up(method: str) -> bool:
