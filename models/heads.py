@@ -76,7 +76,8 @@ class MedusaHeads(nnx.Module):
             if base is None:
                 raise ValueError("own_projection heads are initialised from the base LM head: pass base=")
             w_DV = base_head(base).astype(jnp.float32)
-            self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy(), axes=("draft_heads", "embed", "vocab"))
+            self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy(),
+                                  axes=("draft_heads", "embed", "vocab"))
 
     def features(self, hidden: Float[Array, "... D"],
                  token_embed: Float[Array, "... D"] | None = None) -> Float[Array, "... M D"]:

@@ -210,7 +210,8 @@ def markdown(records: list[dict]) -> str:
 
 
 def roofline_markdown(r: dict) -> str:
-    """The roofline, forward costs, memory and HF rows of `roofline` (and the fraction and memory the CLI adds) as a table."""
+    """`roofline`'s bandwidth and forward costs, with the fraction, memory and HF rows the CLI adds,
+    as a table."""
     w = r["window_ms"]
     rows = [
         ("measured bandwidth", f"{r['bandwidth_gb_s']:.1f} GB/s"),

@@ -267,9 +267,13 @@ def _generate_auto(args, opts, prompts) -> int:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
     log = lambda m: print(m, file=sys.stderr, flush=True)
     engine = Engine.load(args.model, dtype=args.dtype)
-    # the methods chosen, or (none chosen) those the model has assets for, given or shipped
-    _load_assets(engine, args, [m for m in AUTO_METHODS if registry.record(m).load is not None and (
-        m in methods if methods is not None else bool(_given(args, m) or registry.record(m).shipped(engine.name)))])
+
+    def wanted(m: str) -> bool:  # chosen, or (none chosen) the model has assets for it, given or shipped
+        rec = registry.record(m)
+        return rec.load is not None and (
+            m in methods if methods is not None else bool(_given(args, m) or rec.shipped(engine.name)))
+
+    _load_assets(engine, args, [m for m in AUTO_METHODS if wanted(m)])
     ccfg, named = loadbench.with_assets(engine, ControllerConfig())
     if methods is not None:  # the assets' options are in `extra`; `methods` keeps prompt lookup if chosen
         ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in ccfg.methods if m in methods))
