@@ -358,11 +358,12 @@ def _bench_spec(label: str, args, engine=None):
     from specjax.config import SpecConfig, parse_tree
 
     method = registry.base(label)
-    rec = registry.record(method)
-    if rec.tuned is not None:
+    rec = registry.RECORDS.get(method)  # None: the plain loop
+    if rec is not None and rec.tuned is not None:
         return None if engine is None else tuned_spec(engine, method, args, tree=label != method)
     return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if "tree" in rec.options else None)
+                      ngram_max=args.ngram_max,
+                      tree=parse_tree(args.tree) if rec is not None and "tree" in rec.options else None)
 
 
 def cmd_bench(args) -> int:
