@@ -68,15 +68,16 @@ class MedusaHeads(nnx.Module):
     def __init__(self, config: HeadsConfig, *, base: Llama | None = None, rngs: nnx.Rngs | None = None):
         self.config = config
         m, l, d = config.num_heads, config.num_layers, config.dim
-        self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32), axes=("medusa", "layers", "embed", "embed"))
-        self.b = nnx.Param(jnp.zeros((m, l, d), jnp.float32), axes=("medusa", "layers", "embed"))
+        self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32), axes=("draft_heads", "layers", "embed", "embed"))
+        self.b = nnx.Param(jnp.zeros((m, l, d), jnp.float32), axes=("draft_heads", "layers", "embed"))
         if config.token_input:
-            self.u = nnx.Param(jnp.zeros((m, d, d), jnp.float32), axes=("medusa", "embed", "embed"))
+            self.u = nnx.Param(jnp.zeros((m, d, d), jnp.float32), axes=("draft_heads", "embed", "embed"))
         if config.own_projection:
             if base is None:
                 raise ValueError("own_projection heads are initialised from the base LM head: pass base=")
             w_DV = base_head(base).astype(jnp.float32)
-            self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy(), axes=("medusa", "embed", "vocab"))
+            self.proj = nnx.Param(jnp.broadcast_to(w_DV, (m,) + w_DV.shape).copy(),
+                                  axes=("draft_heads", "embed", "vocab"))
 
     def features(self, hidden: Float[Array, "... D"],
                  token_embed: Float[Array, "... D"] | None = None) -> Float[Array, "... M D"]:

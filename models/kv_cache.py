@@ -14,15 +14,19 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax import sharding
 from specjax.models.config import ModelConfig
 
 
 @struct.dataclass
-class KVCache:
+class KVCache(sharding.Logical):
     """Per-layer key and value buffers, each `[B, S, K, H]` (K = kv heads)."""
 
     k: tuple[Float[Array, "B S K H"], ...]
     v: tuple[Float[Array, "B S K H"], ...]
+
+    def logical_axes(self):
+        return dict(k=("batch", "seq", "kv_heads", "head_dim"), v=("batch", "seq", "kv_heads", "head_dim"))
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":

@@ -14,7 +14,6 @@ The load test (a scheduler under concurrency) is the other subcommand, `specjax 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.proposers.registry import FACTORIES
+from specjax.proposers.registry import RECORDS
 
 SYNTHETIC_PROMPT = (
     "The history of computing is a story of abstractions. Early machines were programmed by "
@@ -103,7 +102,8 @@ def _hf_generate(model, ids: list[int], max_new: int) -> tuple[list[int], float]
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-OFFLINE_METHODS = ("none", *FACTORIES, "eagle-tree")  # eagle-tree: eagle with a dynamic tree
+# and for a method with tuned settings, its tuned tree: eagle-tree is eagle with its dynamic tree
+OFFLINE_METHODS = ("none", *RECORDS, *(f"{m}-tree" for m, r in RECORDS.items() if r.tuned is not None))
 
 
 def run(engine, prompts, specs: dict, opts, *, chat: bool = False, batch_size: int = 1, repeats: int = 1,
@@ -168,72 +168,6 @@ def roofline(model) -> dict:
                 window_ms=window_costs(model))
 
 
-def spec_for(method: str, args, engine=None):
-    """The `SpecConfig` of a bench method name; `eagle` / `eagle-tree` are the loaded head's tuned
-    chain / dynamic tree (flags override), so they need the `engine`."""
-    from specjax.cli import eagle_spec
-    from specjax.config import SpecConfig, parse_tree
-
-    if method in ("eagle", "eagle-tree"):
-        return None if engine is None else eagle_spec(engine, args, tree=method == "eagle-tree")
-    return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max, tree=parse_tree(args.tree) if method == "medusa" else None)
-
-
-def main(args) -> int:
-    """The CLI entry: validates everything, loads the model, runs, prints and writes."""
-    if getattr(args, "verify_profile", False):
-        from specjax import verify_profile
-
-        verify_profile.main([args.model], repeats=max(args.repeats or 1, 15), json_path=args.json_path)
-        return 0
-    from specjax.engine import Engine, GenerateOptions
-    from specjax.prompts import bench_prompts, check_output_paths
-
-    methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
-    bad = [m for m in methods if m not in OFFLINE_METHODS]
-    if bad:
-        hint = " (auto is a scheduler policy: see `specjax loadbench`)" if "auto" in bad else ""
-        raise ValueError(f"unknown method {bad[0]!r}: use one of {', '.join(OFFLINE_METHODS)}{hint}")
-    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
-    opts.validate()
-    check_output_paths(args.json_path)
-    repeats = 1 if args.repeats is None else args.repeats
-    if repeats < 1 or args.batch_size < 1:
-        raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
-    if "draft" in methods and not args.draft_model:
-        raise ValueError("--methods includes draft: give --draft-model NAME")
-    specs = {m: spec_for(m, args) for m in methods}
-    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    heads = (args.heads or "default") if "medusa" in methods else None
-    from specjax.cli import mesh_arg
-
-    eagle = (args.eagle or "default") if {"eagle", "eagle-tree"} & set(methods) else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
-                         mesh=mesh_arg(args))
-    specs = {m: spec or spec_for(m, args, engine) for m, spec in specs.items()}
-    engine.check([p.text for p in prompts], opts, chat=args.chat)
-    for spec in specs.values():
-        engine.proposer(spec)
-    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-          f"methods {', '.join(methods)}, batch {args.batch_size}, greedy", file=sys.stderr)
-    rows = run(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size, repeats=repeats)
-    records = summarize(rows)
-    extra = roofline(engine.model)
-    plain = next(r for r in records if r["method"] == "none" and r["task"] == "all")
-    extra["fraction_of_roofline"] = plain["tok_s"] / extra["roofline_tok_s"] if args.batch_size == 1 else None
-    extra["memory_per_device"] = memory(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size)
-    if args.hf:
-        extra.update(_hf_baseline(args, engine, prompts, opts, rows))
-    print(markdown(records))
-    print()
-    print(_markdown(extra))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
-    return 0
-
-
 def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int) -> dict:
     """Bytes per device (weights, draft, heads, KV caches) of the largest batch this bench runs, from
     the layout (`specjax.sharding.memory_report`; equal to what the placed arrays hold)."""
@@ -246,15 +180,16 @@ def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int) -
     return sharding.memory_report(engine, batch=engine.rows_for(batch_size), cache_length=cache)
 
 
-def _hf_baseline(args, engine, prompts, opts, rows) -> dict:
-    """HF transformers' greedy loop on the same prompts (batch 1), against our plain loop's tokens."""
+def hf_baseline(model: str, engine, prompts, opts, rows, *, chat: bool) -> dict:
+    """HF transformers' greedy loop on the same prompts (batch 1), against our plain loop's tokens;
+    `model` is a registry name or path."""
     from specjax.models import registry
 
     try:
-        hf_model = _hf_model(str(registry.resolve(args.model)))
+        hf_model = _hf_model(str(registry.resolve(model)))
     except ImportError:
         raise ValueError("--hf needs HF transformers: pip install -e '.[oracle]'") from None
-    ids = engine.encode([p.text for p in prompts], chat=args.chat)
+    ids = engine.encode([p.text for p in prompts], chat=chat)
     ours = {r["id"]: r["tokens"] for r in rows if r["method"] == "none" and r["rep"] == 0}
     toks, walls, same = 0, 0.0, 0
     for p, x in zip(prompts, ids):
@@ -274,7 +209,9 @@ def markdown(records: list[dict]) -> str:
     return head + "\n".join(rows)
 
 
-def _markdown(r: dict) -> str:
+def roofline_markdown(r: dict) -> str:
+    """`roofline`'s bandwidth and forward costs, with the fraction, memory and HF rows the CLI adds,
+    as a table."""
     w = r["window_ms"]
     rows = [
         ("measured bandwidth", f"{r['bandwidth_gb_s']:.1f} GB/s"),
@@ -291,7 +228,7 @@ def _markdown(r: dict) -> str:
         mib = lambda k: f"{mem[k] / 2**20:.2f} MiB"
         rows.append((f"memory per device, mesh {mem['mesh']}: weights / KV cache",
                      f"{mib('weights')} / {mib('cache')}"))
-        if "draft" in mem:
+        if "draft_cache" in mem:  # a draft model's weights and cache
             rows.append(("memory per device: draft weights / draft KV cache", f"{mib('draft')} / {mib('draft_cache')}"))
         if "heads" in mem:
             rows.append(("memory per device: Medusa heads", mib("heads")))

@@ -7,7 +7,8 @@ import json
 import sys
 
 from specjax.prompts import Prompt, read_prompts
-from specjax.proposers.registry import FACTORIES
+from specjax.proposers import registry
+from specjax.proposers.registry import RECORDS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +71,7 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
                             "(loadbench); "
                             "none is always measured as the baseline")
     else:
-        p.add_argument("--method", default="none", choices=["none", *FACTORIES, "auto"],
+        p.add_argument("--method", default="none", choices=["none", *RECORDS, "auto"],
                        help="speculation method (none = plain decoding; auto = the adaptive controller "
                             "through the scheduler, with the plain loop measured beside it)")
     p.add_argument("--k", type=int, default=None,
@@ -100,18 +101,46 @@ def _spec(args):
 
     if args.method in ("none", "auto"):
         return SpecConfig()
-    if args.method == "eagle":
-        return None  # from the loaded head's tuning (`eagle_spec`)
+    if registry.record(args.method).tuned is not None:
+        return None  # from the loaded assets' tuning (`tuned_spec`)
     tree = parse_tree(getattr(args, "tree", None))
     return SpecConfig(method=args.method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
                       ngram_max=args.ngram_max, tree=tree)
 
 
-def eagle_spec(engine, args, *, tree: bool | None = None):
-    """`--method eagle`: the loaded head's tuned chain (or tree, with --nodes), flags overriding."""
+def tuned_spec(engine, method: str, args, *, tree: bool | None = None):
+    """A method with tuned settings (`--method eagle`): the loaded assets' tuned chain (or tree, with
+    --nodes), flags overriding."""
     tree = bool(args.nodes) if tree is None else tree
-    return engine.eagle.spec(tree=tree, k=args.k, nodes=args.nodes if tree else None,
-                             topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
+    return engine.tuned(method, tree=tree, k=args.k, nodes=args.nodes if tree else None,
+                        topk=args.topk if tree else None, draft_vocab=args.draft_vocab)
+
+
+def _given(args, method: str):
+    """What the method's asset flag gave (`--heads DIR`, `--draft-model NAME`, ...), or None."""
+    flag = registry.record(method).flag
+    return None if flag is None else getattr(args, flag.lstrip("-").replace("-", "_"), None)
+
+
+def _check_given(args, methods, *, how: str) -> None:
+    """A method whose asset ships with no model (a draft model) needs its flag: fail before loading."""
+    for m in methods:
+        rec = registry.record(m)
+        if rec.flag is not None and rec.shipped is None and not _given(args, m):
+            raise ValueError(how.format(method=m, flag=rec.flag, value=rec.flag_value))
+
+
+def _load_assets(engine, args, methods) -> None:
+    """Loads the assets of `methods` that the Engine does not take itself: the given ones, else those
+    shipped for the model ("default")."""
+    for m in dict.fromkeys(methods):
+        rec = registry.record(m)
+        if rec.load is not None:
+            rec.load(engine, _given(args, m) or "default")
+
+
+NEEDS_FLAG = "--method {method} needs {flag} {value}"
+INCLUDES_NEEDS_FLAG = "--methods includes {method}: give {flag} {value}"
 
 
 def _prompts(args) -> list[Prompt]:
@@ -148,20 +177,18 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= {0 if name == 'nodes' else 1}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
-    if spec is not None and spec.method == "draft" and not args.draft_model:
-        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    if args.method not in ("none", "auto"):
+        _check_given(args, [args.method], how=NEEDS_FLAG)
     if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
         raise ValueError("--repeats and --auto-methods are for --method auto")
     prompts = _prompts(args)
     if args.method == "auto":
         return _generate_auto(args, opts, prompts)
-    heads = (args.heads or "default") if spec is not None and spec.method == "medusa" else None
-    eagle = (args.eagle or "default") if args.method == "eagle" else None
-    mesh = mesh_arg(args)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads, eagle=eagle,
-                         mesh=mesh)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))
+    if args.method != "none":
+        _load_assets(engine, args, [args.method])
     if spec is None:
-        spec = eagle_spec(engine, args)
+        spec = tuned_spec(engine, args.method, args)
     texts = [p.text for p in prompts]
     b = engine.rows_for(min(args.batch_size, len(prompts)))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
@@ -186,7 +213,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-AUTO_METHODS = ("ngram", "medusa", "eagle")
+# what auto may choose: prompt lookup, and the methods whose loaded assets give it options
+AUTO_METHODS = tuple(m for m, r in RECORDS.items() if registry.looks_up(m) or r.auto is not None)
 
 # `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
 # look up (a configuration file names its service, ports and paths again and again) and cannot where
@@ -228,7 +256,6 @@ def _generate_auto(args, opts, prompts) -> int:
     from specjax import compare, loadbench
     from specjax.controller import ControllerConfig
     from specjax.engine import Engine
-    from specjax.models import eagle_io, heads_io
     from specjax.scheduler import Scheduler
 
     if getattr(args, "mesh", None) is not None:
@@ -240,19 +267,16 @@ def _generate_auto(args, opts, prompts) -> int:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
     log = lambda m: print(m, file=sys.stderr, flush=True)
     engine = Engine.load(args.model, dtype=args.dtype)
-    use = lambda m, given, shipped: m in methods if methods is not None else bool(given or shipped(engine.name))
-    if use("medusa", args.heads, heads_io.shipped_heads_dir):
-        engine.load_heads(args.heads or "default")
-    if use("eagle", args.eagle, eagle_io.shipped_eagle_dir):
-        engine.load_eagle(args.eagle or "default")
-    ccfg, named = ControllerConfig(), {}
-    if engine.heads is not None:
-        ccfg, named = loadbench._with_medusa(engine, ccfg, None)
-    if engine.eagle is not None:
-        ccfg, more = loadbench.with_eagle(engine, ccfg)
-        named = {**named, **more}
-    if methods is not None and "ngram" not in methods:  # Medusa's and EAGLE's options are in `extra`
-        ccfg = dataclasses.replace(ccfg, methods=())
+
+    def wanted(m: str) -> bool:  # chosen, or (none chosen) the model has assets for it, given or shipped
+        rec = registry.record(m)
+        return rec.load is not None and (
+            m in methods if methods is not None else bool(_given(args, m) or rec.shipped(engine.name)))
+
+    _load_assets(engine, args, [m for m in AUTO_METHODS if wanted(m)])
+    ccfg, named = loadbench.with_assets(engine, ControllerConfig())
+    if methods is not None:  # the assets' options are in `extra`; `methods` keeps prompt lookup if chosen
+        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in ccfg.methods if m in methods))
     texts = [p.text for p in prompts]
     longest = max(len(x) for x in engine.check(texts, opts, chat=args.chat))
     slots = min(args.batch_size, len(prompts))
@@ -328,16 +352,152 @@ def _generate_auto(args, opts, prompts) -> int:
     return 0
 
 
+def _bench_spec(label: str, args, engine=None):
+    """The `SpecConfig` of a bench method label; a method with tuned settings (eagle, and eagle-tree
+    for its tree) runs the loaded assets' tuning (flags override), so it needs the `engine`."""
+    from specjax.config import SpecConfig, parse_tree
+
+    method = registry.base(label)
+    rec = registry.RECORDS.get(method)  # None: the plain loop
+    if rec is not None and rec.tuned is not None:
+        return None if engine is None else tuned_spec(engine, method, args, tree=label != method)
+    return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
+                      ngram_max=args.ngram_max,
+                      tree=parse_tree(args.tree) if rec is not None and "tree" in rec.options else None)
+
+
 def cmd_bench(args) -> int:
+    """`specjax bench` (`specjax.bench`): validates everything, loads the model, runs, prints and writes."""
     from specjax import bench
 
-    return bench.main(args)
+    if getattr(args, "verify_profile", False):
+        from specjax import verify_profile
+
+        verify_profile.main([args.model], repeats=max(args.repeats or 1, 15), json_path=args.json_path)
+        return 0
+    from specjax.engine import Engine, GenerateOptions
+    from specjax.prompts import bench_prompts, check_output_paths
+
+    methods = tuple(dict.fromkeys(["none"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
+    bad = [m for m in methods if m not in bench.OFFLINE_METHODS]
+    if bad:
+        hint = " (auto is a scheduler policy: see `specjax loadbench`)" if "auto" in bad else ""
+        raise ValueError(f"unknown method {bad[0]!r}: use one of {', '.join(bench.OFFLINE_METHODS)}{hint}")
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
+    opts.validate()
+    check_output_paths(args.json_path)
+    repeats = 1 if args.repeats is None else args.repeats
+    if repeats < 1 or args.batch_size < 1:
+        raise ValueError(f"--repeats={repeats}, --batch-size={args.batch_size}: must be >= 1")
+    used = [registry.base(m) for m in methods if m != "none"]  # the methods behind the labels
+    _check_given(args, used, how=INCLUDES_NEEDS_FLAG)
+    specs = {m: _bench_spec(m, args) for m in methods}
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks,
+                            default=bench.SYNTHETIC_PROMPT)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))
+    _load_assets(engine, args, used)
+    specs = {m: spec or _bench_spec(m, args, engine) for m, spec in specs.items()}
+    engine.check([p.text for p in prompts], opts, chat=args.chat)
+    for spec in specs.values():
+        engine.proposer(spec)
+    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"methods {', '.join(methods)}, batch {args.batch_size}, greedy", file=sys.stderr)
+    rows = bench.run(engine, prompts, specs, opts, chat=args.chat, batch_size=args.batch_size, repeats=repeats)
+    records = bench.summarize(rows)
+    extra = bench.roofline(engine.model)
+    plain = next(r for r in records if r["method"] == "none" and r["task"] == "all")
+    extra["fraction_of_roofline"] = plain["tok_s"] / extra["roofline_tok_s"] if args.batch_size == 1 else None
+    extra["memory_per_device"] = bench.memory(engine, prompts, specs, opts, chat=args.chat,
+                                              batch_size=args.batch_size)
+    if args.hf:
+        extra.update(bench.hf_baseline(args.model, engine, prompts, opts, rows, chat=args.chat))
+    print(bench.markdown(records))
+    print()
+    print(bench.roofline_markdown(extra))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
+    return 0
 
 
 def cmd_loadbench(args) -> int:
-    from specjax import loadbench
+    """`specjax loadbench` (`specjax.loadbench`, or `specjax.loadbench_http` with --url): validates
+    everything, loads the model, runs, prints and writes."""
+    if getattr(args, "url", None):  # a running server, over HTTP
+        from specjax import loadbench_http
 
-    return loadbench.main(args)
+        return loadbench_http.main(args)
+    import dataclasses
+    import pathlib
+
+    from specjax import loadbench, surge
+    from specjax.bench import SYNTHETIC_PROMPT
+    from specjax.config import SpecConfig, parse_tree
+    from specjax.controller import ControllerConfig
+    from specjax.engine import Engine, GenerateOptions
+    from specjax.prompts import bench_prompts, check_output_paths
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    auto_ks = loadbench.int_list(args.auto_k, "auto-k")
+    phases = surge.parse_phases(args.surge) if args.surge else None
+    conc = loadbench.int_list(args.concurrency, "concurrency") if args.concurrency else (
+        (16,) if phases else loadbench.DEFAULT_CONCURRENCY)
+    sizes = loadbench.int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else (
+        tuple(x for x in (1, 2, 4, 8, 16, 32, 64) if x < conc[0]) if phases else None)
+    plan = loadbench.LoadPlan(methods=methods, rate=args.rate, chunk=args.chunk, repeats=args.repeats or 1,
+                              concurrency=conc, surge=phases, batch_sizes=sizes,
+                              auto=ControllerConfig(ks=(0,) + auto_ks, max_step_cost=args.auto_max_step_cost))
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
+    opts.validate()
+    check_output_paths(args.json_path, args.telemetry, args.runs_json)
+    if args.plots:
+        check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
+    used = [m for m in plan.methods if m not in ("none", "auto")]
+    _check_given(args, used, how=INCLUDES_NEEDS_FLAG)
+    k, tree = 4 if args.k is None else args.k, parse_tree(args.tree)
+    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                           tree=tree if "tree" in registry.record(m).options else None)
+             for m in used if registry.record(m).tuned is None}
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    # a method's assets when it runs or its flag is given; auto also takes the shipped assets that
+    # carry their own tuning (an EAGLE head's chain and tree), not those whose options it derives
+    _load_assets(engine, args, [m for m in RECORDS if m in used or _given(args, m) or (
+        "auto" in plan.methods and RECORDS[m].tuned is not None and RECORDS[m].shipped(engine.name))])
+    specs.update({m: engine.tuned(m) for m in used if registry.record(m).tuned is not None})
+    auto, auto_specs = loadbench.with_assets(engine, plan.auto, specs)
+    plan = dataclasses.replace(plan, auto=auto)
+    if not args.file_order:
+        prompts = loadbench.interleave(prompts)
+    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"methods {', '.join(plan.methods)}, concurrency {plan.concurrency}, "
+          f"{'Poisson %.2f req/s' % plan.rate if plan.rate else 'closed loop'}", file=sys.stderr)
+    print(f"auto chooses among {', '.join(f'{m}:{k}' for m, k in plan.auto.options)}", file=sys.stderr)
+    req_rows, run_rows = loadbench.run(engine, prompts, plan, opts, chat=args.chat, specs=specs,
+                                       auto_specs=auto_specs)
+    records = loadbench.summarize(req_rows, run_rows)
+    print(loadbench.markdown(records))
+    if phases:
+        records = dict(by_task=records, by_phase=surge.summarize(req_rows, run_rows, phases))
+        print("\n" + surge.markdown(records["by_phase"]))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.telemetry:
+        from specjax import telemetry
+
+        telemetry.write_jsonl(args.telemetry, loadbench.telemetry_rows(req_rows))
+    if args.runs_json:
+        with open(args.runs_json, "w") as f:
+            json.dump(run_rows, f, indent=1)
+    if args.plots:
+        paths = loadbench.plot(records["by_task"] if phases else records, args.plots)
+        if phases:
+            paths.append(surge.plot(req_rows, run_rows, phases, args.plots))
+        print("plots: " + ", ".join(paths), file=sys.stderr)
+    return 0
+
+
 
 
 def cmd_serve(args) -> int:
@@ -346,38 +506,32 @@ def cmd_serve(args) -> int:
     from specjax import server as srv
     from specjax.controller import ControllerConfig
     from specjax.engine import Engine
-    from specjax.models import eagle_io, heads_io
     from specjax.server.metrics import memory_added, memory_now
 
     for name in ("slots", "max_tokens", "max_prompt_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.method == "draft" and not args.draft_model:
-        raise ValueError("--method draft needs --draft-model NAME (a model with the target's vocabulary)")
+    if args.method not in ("none", "auto"):
+        _check_given(args, [args.method], how=NEEDS_FLAG)
     m0 = memory_now()
     engine = Engine.load(args.model, dtype=args.dtype,
                          **({"draft_model": args.draft_model} if args.draft_model else {}))
     m1 = memory_now()
     auto_methods = {m.strip() for m in args.auto_methods.split(",") if m.strip()} if args.method == "auto" else set()
-    if auto_methods - {"ngram", "medusa", "eagle"}:
-        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of ngram,medusa,eagle")
-    if args.method == "medusa" or "medusa" in auto_methods and (args.heads or heads_io.shipped_heads_dir(engine.name)):
-        engine.load_heads(args.heads or "default")
-    if args.method == "eagle" or "eagle" in auto_methods and (args.eagle or eagle_io.shipped_eagle_dir(engine.name)):
-        engine.load_eagle(args.eagle or "default")
+    if auto_methods - set(AUTO_METHODS):
+        raise ValueError(f"--auto-methods {args.auto_methods!r}: give some of {','.join(AUTO_METHODS)}")
+    # the method's assets; for auto, those of the methods it may use that are given or shipped
+    _load_assets(engine, args, [m for m in RECORDS if RECORDS[m].load is not None and (
+        args.method == m or m in auto_methods and (_given(args, m) or RECORDS[m].shipped(engine.name)))])
     m2 = memory_now()
     ccfg, named, spec = None, None, None
     if args.method == "auto":
-        if "ngram" not in auto_methods:
-            raise ValueError("--auto-methods must include ngram (auto's cheapest option)")
-        ccfg, named = ControllerConfig(), {}
-        if engine.heads is not None:
-            ccfg, named = loadbench._with_medusa(engine, ccfg, None)
-        if engine.eagle is not None:
-            ccfg, more = loadbench.with_eagle(engine, ccfg)
-            named = {**named, **more}
-    elif args.method == "eagle":
-        spec = eagle_spec(engine, args)
+        lookups = [m for m in AUTO_METHODS if registry.looks_up(m)]
+        if not auto_methods & set(lookups):
+            raise ValueError(f"--auto-methods must include {' or '.join(lookups)} (auto's cheapest option)")
+        ccfg, named = loadbench.with_assets(engine, ControllerConfig())
+    elif registry.record(args.method).tuned is not None:
+        spec = tuned_spec(engine, args.method, args)
     elif args.method != "none":
         spec = _spec(args)
     sizes = None
@@ -545,19 +699,21 @@ def _tiny_shape():
 
 def cmd_train_heads(args) -> int:
     """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`), or
-    an EAGLE head with `--kind eagle`; `extract` builds a feature cache instead."""
-    import pathlib
-
+    an EAGLE head with `--kind eagle` (`TRAIN_KINDS`); `extract` builds a feature cache instead."""
     if args.action == "extract":
         return cmd_extract(args)
     if args.action == "coverage":
         return cmd_coverage(args)
-    defaults = EAGLE_DEFAULTS if args.kind == "eagle" else MEDUSA_DEFAULTS
+    defaults, train = TRAIN_KINDS[args.kind]
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.kind == "eagle":
-        return cmd_train_eagle(args)
+    return train(args)
+
+
+def cmd_train_medusa(args) -> int:
+    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
+    import pathlib
 
     from specjax.models.heads import HeadsConfig
     from specjax.train_heads.train import TrainConfig, train_heads
@@ -583,6 +739,10 @@ def cmd_train_heads(args) -> int:
                 max_prompt_tokens=args.max_prompt_tokens, gen_batch_size=args.gen_batch_size,
                 log=lambda m: print(m, file=sys.stderr, flush=True), mesh=mesh_arg(args), cache=args.cache)
     return 0
+
+
+# the heads `train-heads --kind` trains, for the method of that name: defaults and the command
+TRAIN_KINDS = {registry.MEDUSA: (MEDUSA_DEFAULTS, cmd_train_medusa), registry.EAGLE: (EAGLE_DEFAULTS, cmd_train_eagle)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -688,7 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one cross-request n-gram table for every tenant (default: one scope per API key "
                          "or user: a tenant's text is never proposed to another)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    sv.add_argument("--auto-methods", default="ngram,medusa,eagle",
+    sv.add_argument("--auto-methods", default=",".join(AUTO_METHODS),
                     help="--method auto: the proposers the controller may use (those the model has assets "
                          "for); each compiles its programs before /health turns 200")
     sv.set_defaults(func=cmd_serve)
@@ -711,7 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--own-projection", action="store_true", help="own [D, V] projection per head")
     t.add_argument("--token-input", action="store_true",
                    help="feed the heads the next token's embedding too (EAGLE/Hydra-style input)")
-    t.add_argument("--kind", default="medusa", choices=["medusa", "eagle"],
+    t.add_argument("--kind", default=registry.MEDUSA, choices=list(TRAIN_KINDS),
                    help="medusa: heads on self-distilled answers; eagle: one-layer feature head, teacher-forced")
     t.add_argument("--steps", type=int, default=None, help="default 1000 (medusa) / 400 (eagle)")
     t.add_argument("--batch-size", type=int, default=None,

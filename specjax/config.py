@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+
+from specjax.ngram_table import TableConfig
+from specjax.proposers import registry
+from specjax.tree import HEADS_TREE, MAX_TREE_NODES, TREES, Tree, chain, validate_tree  # noqa: F401 (re-exported)
+
 MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
-MAX_TREE_NODES = 64
-
-Tree = tuple[tuple[int, ...], ...]
-
-# Static candidate trees for Medusa heads, as paths of top-k ranks (Medusa's `medusa_choices`):
-# (0,) is head 0's top-1, (0, 1) is head 1's top-2 after head 0's top-1, and so on.
-TREES: dict[str, Tree] = {
-    "chain4": ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)),
-    "small": ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)),
-    "medium": ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
-               (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1)),
-}
-
-
-HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
 
 
 def parse_tree(text: str | None) -> Tree | str | None:
@@ -30,34 +20,15 @@ def parse_tree(text: str | None) -> Tree | str | None:
     return text
 
 
-def chain(k: int) -> Tree:
-    return tuple((0,) * i for i in range(1, k + 1))
-
-
-def validate_tree(tree: Tree) -> None:
-    if not tree:
-        raise ValueError("tree is empty: give at least one path, e.g. ((0,),)")
-    if len(tree) > MAX_TREE_NODES:
-        raise ValueError(f"tree has {len(tree)} nodes: at most {MAX_TREE_NODES} are supported")
-    seen = set()
-    for path in tree:
-        if not path or any(int(r) != r or r < 0 for r in path):
-            raise ValueError(f"tree path {path!r}: must be a non-empty tuple of ranks >= 0")
-        if path in seen:
-            raise ValueError(f"tree path {path!r} appears twice")
-        if len(path) > 1 and path[:-1] not in seen:
-            raise ValueError(f"tree path {path!r} comes before (or without) its parent {path[:-1]!r}; "
-                             "list parents first")
-        seen.add(path)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpecConfig:
     """How to speculate.
 
     Attributes:
-      method: "none" (plain loop), "ngram" (prompt lookup), "draft" (a small draft model) or
-        "medusa" (heads on the target's last hidden state; chain, or a static tree).
+      method: none (the plain loop) or the name of a method's record in
+        `specjax.proposers.registry.RECORDS` (ngram: prompt lookup; draft: a small draft model;
+        medusa: heads on the target's last hidden state, chain or static tree; eagle: an EAGLE
+        head), which checks the options that belong to it.
       k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
         For medusa chains, k <= the number of heads.
       ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
@@ -89,14 +60,7 @@ class SpecConfig:
     typical: tuple[float, float] | None = None
 
     def __post_init__(self):
-        from specjax.proposers.registry import FACTORIES  # the one list of methods
-
-        if self.method != "none" and self.method not in FACTORIES:
-            raise ValueError(f"unknown method {self.method!r}: use one of none, {', '.join(FACTORIES)}")
-        if self.tree is not None and self.method != "medusa":
-            raise ValueError("tree= applies to method 'medusa' only")
-        if (self.nodes or self.draft_vocab) and self.method != "eagle":
-            raise ValueError("nodes= and draft_vocab= apply to method 'eagle' only")
+        registry.check(self)  # the method exists; its own options belong to it and hold
         for name in ("nodes", "draft_vocab"):
             v = getattr(self, name)
             if int(v) != v or v < 0:
@@ -129,17 +93,9 @@ class SpecConfig:
             raise ValueError(f"k={self.k}: must be an integer in [1, {MAX_K}]")
         if int(self.ngram_table) != self.ngram_table or self.ngram_table < 0:
             raise ValueError(f"ngram_table={self.ngram_table}: give the table's slots (>= 1), or 0 for none")
-        if self.ngram_table and self.method != "ngram":
-            raise ValueError("ngram_table= applies to method 'ngram' (prompt lookup) only")
-        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(
-                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need "
-                "1 <= ngram_min <= ngram_max")
 
     def table_config(self, width: int | None = None):
         """The n-gram table this spec asks for (None when off); `width` >= k followers per entry."""
-        from specjax.ngram_table import TableConfig
-
         if not self.ngram_table:
             return None
         lo = min(max(2, self.ngram_min), self.ngram_max)  # 1-grams across requests are mostly noise

@@ -37,6 +37,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from specjax.config import MAX_K
+from specjax.proposers import registry
 
 Option = tuple[str, int]  # (method, K); ("none", 0) is the plain loop
 PLAIN: Option = ("none", 0)
@@ -58,15 +59,17 @@ class ControllerConfig:
 
     Attributes:
       ks: the compiled speculation lengths to choose from; 0 is the plain loop (always included).
-      methods: proposers the controller may use with each K > 0 (e.g. ("ngram",) or
-        ("ngram", "medusa")); stateful ones (a draft model's cache) go stale across plain chunks.
+      methods: proposers the controller may use with each K > 0 (default: prompt lookup alone,
+        the methods that look their context up, `registry.looks_up`); stateful ones (a draft
+        model's cache) go stale across plain chunks.
       margin: speculate only when the expected gain is at least 1 + margin.
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).
       prior_alpha, prior_weight: the acceptance assumed before any evidence, worth this many
         draft attempts.
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
-      extra: more (method, K) options, e.g. ("medusa", 3) when only some K suit a method.
+      extra: more (method, K) options, e.g. Medusa's chain of 3 when only some K suit a method
+        (`specjax.loadbench.with_assets` adds them from the loaded assets' records).
       max_step_cost: a bound on inter-token latency: options whose step costs more than this many
         plain steps at the chunk's batch size are never chosen (None: no bound). A verify step
         that is 1.3x a plain step at batch 1 can be 2-4x at batch 16 on a compute-bound machine;
@@ -77,7 +80,7 @@ class ControllerConfig:
     """
 
     ks: tuple[int, ...] = (0, 2, 4, 8)
-    methods: tuple[str, ...] = ("ngram",)
+    methods: tuple[str, ...] = tuple(m for m in registry.RECORDS if registry.looks_up(m))
     margin: float = 0.03
     decay: float = 0.9
     prior_alpha: float = 0.5
@@ -189,10 +192,11 @@ class Controller:
     class persist after a row leaves, and seed the estimate of the next row of the same class.
 
     Example:
-      >>> cost = CostModel({("none", 0): 1.0, ("ngram", 2): 1.2, ("ngram", 4): 1.4, ("ngram", 8): 1.8})
+      >>> (lookup,) = ControllerConfig().methods  # prompt lookup
+      >>> cost = CostModel({("none", 0): 1.0, (lookup, 2): 1.2, (lookup, 4): 1.4, (lookup, 8): 1.8})
       >>> c = Controller(ControllerConfig(), cost)
       >>> c.add_row("r1", task="translation")
-      >>> c.observe("r1", "ngram", accepted_per_position=[9, 8, 7, 6], steps=10)
+      >>> c.observe("r1", lookup, accepted_per_position=[9, 8, 7, 6], steps=10)
       >>> c.choose(["r1"]).option
       ('ngram', 8)
     """

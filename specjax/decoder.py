@@ -44,7 +44,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import acceptance, sampling, sharding, tree
-from specjax.config import chain
+from specjax.tree import chain
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
@@ -405,7 +405,7 @@ def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, me
     mesh = sharding.check_mesh(mesh)
     if mesh is not None:
         model = sharding.place_module(model, mesh)
-        pparams = sharding.place_pparams(pparams, mesh, proposer=decoder.proposer)
+        pparams = sharding.place_pparams(pparams, mesh)
         inputs = sharding.place_inputs(inputs, mesh)
     graphdef, params = nnx.split(model)
     with sharding.use(mesh):

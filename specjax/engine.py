@@ -25,11 +25,12 @@ from flax import nnx
 
 from specjax import decoder as core
 from specjax import sampling, sharding, telemetry
-from specjax.config import HEADS_TREE, SpecConfig
+from specjax.config import SpecConfig
 from specjax.decoder import MAX_STOP_IDS, Decoder, Inputs, State
 from specjax.proposers import registry
 from specjax.proposers.medusa import LoadedHeads
 from specjax.sampling import SamplingConfig
+from specjax.tree import HEADS_TREE, validate_tree
 from specjax.telemetry import SpecCounters
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -213,8 +214,8 @@ class Engine:
 
     def set_eagle(self, head: nnx.Module, draft_ids, manifest: dict | None = None,
                   tuning: dict | None = None) -> None:
-        """Sets the EAGLE head of `method="eagle"` (`specjax.models.eagle.EagleHead`), its draft
-        vocabulary (token ids, most frequent first) and its tuned settings (`LoadedEagle.spec`)."""
+        """Sets the EAGLE head (`specjax.models.eagle.EagleHead`) its method builds from, its draft
+        vocabulary (token ids, most frequent first) and its tuned settings (`Engine.tuned`)."""
         from specjax.proposers.eagle import EagleProposer
 
         ids = tuple(int(t) for t in np.asarray(draft_ids).ravel())
@@ -248,7 +249,7 @@ class Engine:
     def set_heads(self, heads: nnx.Module, manifest: dict | None = None,
                   vocab_subset: Sequence[int] | np.ndarray | None = None,
                   tree: Sequence[Sequence[int]] | None = None) -> None:
-        """Sets the Medusa heads of `method="medusa"` (`specjax.models.heads.MedusaHeads`).
+        """Sets the Medusa heads (`specjax.models.heads.MedusaHeads`) their method builds from.
 
         Args:
           heads: the heads.
@@ -261,13 +262,14 @@ class Engine:
 
         vocab = None if vocab_subset is None else tuple(int(t) for t in np.asarray(vocab_subset).ravel())
         if tree is not None:
-            tree = SpecConfig(method="medusa", tree=tuple(tuple(p) for p in tree)).tree
+            tree = tuple(tuple(int(r) for r in p) for p in tree)
+            validate_tree(tree)
         MedusaProposer.from_heads(heads, self.model, vocab_subset=vocab, tree=tree)  # raises if unfit
         heads = sharding.place_module(heads, self.mesh)
         self.assets.heads = LoadedHeads(module=heads, vocab=vocab, tree=tree, manifest=dict(manifest or {}))
 
     def set_draft(self, draft: nnx.Module, tokenizer=None) -> None:
-        """Sets the draft model of `method="draft"`; its vocabulary must be the target's."""
+        """Sets the draft model its method builds from; its vocabulary must be the target's."""
         dc = draft.config
         if dc.vocab_size != self.config.vocab_size:
             raise ValueError(
@@ -291,6 +293,15 @@ class Engine:
             raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
                              "name a tree (chain4, small, medium) or give --k")
         return dataclasses.replace(spec, tree=self.heads.tree)
+
+    def tuned(self, method: str, *, tree: bool = False, **overrides) -> SpecConfig:
+        """The `SpecConfig` tuned for the loaded assets of `method` on their machine (its chain, or
+        with `tree` its tree; see its record's `tuned`); `overrides` (not None) replace tuned fields."""
+        fields = registry.tuned(method, self.assets, tree=tree)
+        if fields is None:
+            raise ValueError(f"method {method!r} has no tuned settings: give its options")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return SpecConfig(method=method, **fields)
 
     # ---- decoders ------------------------------------------------------------------------------
     def proposer(self, spec: SpecConfig):
@@ -414,7 +425,7 @@ class Engine:
                                top_p=pick(opts.top_p), stop_ids=self.stop_ids(opts), seed=opts.seed,
                                row_ids=range(row_offset, row_offset + b))
         inputs = sharding.place_inputs(inputs, self.mesh)
-        pparams = sharding.place_pparams(pparams, self.mesh, proposer=dec.proposer)
+        pparams = sharding.place_pparams(pparams, self.mesh)
         return Batch(self, dec, pparams, inputs, n_real=len(ids), method=spec.method)
 
     def rows_for(self, n: int) -> int:

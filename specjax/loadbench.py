@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import pathlib
 import resource
 import statistics
@@ -38,9 +37,9 @@ import numpy as np
 from specjax import telemetry
 from specjax.config import SpecConfig
 from specjax.controller import ControllerConfig
-from specjax.proposers.registry import FACTORIES
+from specjax.proposers import registry
 
-LOAD_METHODS = ("none", *FACTORIES, "auto")
+LOAD_METHODS = ("none", *registry.RECORDS, "auto")
 DEFAULT_CONCURRENCY = (1, 4, 16)
 
 
@@ -82,11 +81,15 @@ class LoadPlan:
             object.__setattr__(self, "methods", ("none",) + self.methods)
 
 
-def _int_list(text: str, name: str) -> tuple[int, ...]:
+def int_list(text: str, name: str) -> tuple[int, ...]:
+    """A `--name 1,4,16` flag as integers (ValueError naming the flag otherwise)."""
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--{name} {text!r}: give comma-separated integers, e.g. 1,4,16") from None
+
+
+_int_list = int_list  # the name `specjax.loadbench_http` imports
 
 
 def interleave(prompts: Sequence) -> list:
@@ -299,121 +302,10 @@ def telemetry_rows(req_rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(args) -> int:
-    """The CLI entry: validates everything, loads the model, runs, prints and writes."""
-    if getattr(args, "url", None):  # a running server, over HTTP
-        from specjax import loadbench_http
-
-        return loadbench_http.main(args)
-    from specjax.engine import GenerateOptions
-    from specjax.config import parse_tree
-    from specjax.prompts import bench_prompts, check_output_paths
-
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    auto_ks = _int_list(args.auto_k, "auto-k")
-    from specjax import surge
-
-    phases = surge.parse_phases(args.surge) if args.surge else None
-    conc = _int_list(args.concurrency, "concurrency") if args.concurrency else (
-        (16,) if phases else DEFAULT_CONCURRENCY)
-    sizes = _int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else (
-        tuple(x for x in (1, 2, 4, 8, 16, 32, 64) if x < conc[0]) if phases else None)
-    plan = LoadPlan(methods=methods, rate=args.rate, chunk=args.chunk, repeats=args.repeats or 1,
-                    concurrency=conc, auto=ControllerConfig(ks=(0,) + auto_ks, max_step_cost=args.auto_max_step_cost),
-                    surge=phases,
-                    batch_sizes=sizes)
-    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, stop_ids=None if args.chat else ())
-    opts.validate()
-    check_output_paths(args.json_path, args.telemetry, args.runs_json)
-    if args.plots:
-        check_output_paths(str(pathlib.Path(args.plots) / "plot.png"))
-    if "draft" in plan.methods and not args.draft_model:
-        raise ValueError("--methods includes draft: give --draft-model NAME")
-    k = 4 if args.k is None else args.k
-    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-             for m in ("ngram", "draft") if m in plan.methods}
-    from specjax.bench import SYNTHETIC_PROMPT
-
-    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    tree = parse_tree(args.tree)
-    if "medusa" in plan.methods:
-        specs["medusa"] = SpecConfig(method="medusa", k=k, tree=tree)
-    engine = _load(args, plan)
-    if engine.eagle is not None and "eagle" in plan.methods:
-        specs["eagle"] = engine.eagle.spec(tree=False)
-    auto_specs = {}
-    if getattr(engine, "heads", None) is not None:
-        auto, auto_specs = _with_medusa(engine, plan.auto, specs.get("medusa"))
-        plan = dataclasses.replace(plan, auto=auto)
-    if engine.eagle is not None:
-        auto, named = with_eagle(engine, plan.auto)
-        plan, auto_specs = dataclasses.replace(plan, auto=auto), {**auto_specs, **named}
-    if not args.file_order:
-        prompts = interleave(prompts)
-    print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-          f"methods {', '.join(plan.methods)}, concurrency {plan.concurrency}, "
-          f"{'Poisson %.2f req/s' % plan.rate if plan.rate else 'closed loop'}", file=sys.stderr)
-    print(f"auto chooses among {', '.join(f'{m}:{k}' for m, k in plan.auto.options)}", file=sys.stderr)
-    req_rows, run_rows = run(engine, prompts, plan, opts, chat=args.chat, specs=specs, auto_specs=auto_specs)
-    records = summarize(req_rows, run_rows)
-    print(markdown(records))
-    if phases:
-        records = dict(by_task=records, by_phase=surge.summarize(req_rows, run_rows, phases))
-        print("\n" + surge.markdown(records["by_phase"]))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.telemetry:
-        from specjax import telemetry
-
-        telemetry.write_jsonl(args.telemetry, telemetry_rows(req_rows))
-    if args.runs_json:
-        with open(args.runs_json, "w") as f:
-            json.dump(run_rows, f, indent=1)
-    if args.plots:
-        paths = plot(records["by_task"] if phases else records, args.plots)
-        if phases:
-            paths.append(surge.plot(req_rows, run_rows, phases, args.plots))
-        print("plots: " + ", ".join(paths), file=sys.stderr)
-    return 0
-
-
-def _load(args, plan: LoadPlan):
-    from specjax.engine import Engine
-    from specjax.models import eagle_io
-
-    heads = (args.heads or "default") if "medusa" in plan.methods or args.heads else None
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, heads=heads)
-    if "eagle" in plan.methods or args.eagle or ("auto" in plan.methods and eagle_io.shipped_eagle_dir(engine.name)):
-        engine.load_eagle(args.eagle or "default")
-    return engine
-
-
-def with_eagle(engine, auto: ControllerConfig):
-    """Adds the loaded EAGLE head to the auto controller's options: its tuned chain ("eagle") and its
-    tuned dynamic tree ("eagle-tree"). Returns the config and the labelled specs."""
-    chain, tree = engine.eagle.spec(tree=False), engine.eagle.spec(tree=True)
-    named = {"eagle": chain, "eagle-tree": tree}
-    extra = tuple(o for o in (("eagle", chain.k), ("eagle-tree", tree.k)) if o not in auto.extra)
-    return dataclasses.replace(auto, extra=auto.extra + extra), named
-
-
-def _with_medusa(engine, auto: ControllerConfig, medusa: SpecConfig | None):
-    """Adds Medusa to the auto controller's options when heads are loaded: each chain length in
-    `auto.ks` the heads support, and as "medusa-tree" the tree of `--method medusa` (given with
-    --tree) or else the heads' own tuned tree, if any. Returns the config and the labelled specs."""
-    extra, named = [], {}
-    for k in sorted({k for k in auto.ks if k > 0}):
-        try:
-            engine.proposer(SpecConfig(method="medusa", k=k))
-        except ValueError:
-            continue
-        extra.append(("medusa", k))
-    tree = medusa if medusa is not None and medusa.tree is not None else None
-    if tree is None and engine.heads is not None and engine.heads.tree is not None:
-        tree = SpecConfig(method="medusa", tree="heads")
-    if tree is not None:
-        tree = engine.resolve(tree)
-        named["medusa-tree"] = tree
-        extra.append(("medusa-tree", tree.k))
-    return dataclasses.replace(auto, extra=auto.extra + tuple(extra)), named
+def with_assets(engine, auto: ControllerConfig, given: dict[str, SpecConfig] | None = None):
+    """Adds to the auto controller's options what the engine's loaded assets allow (each record's
+    `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree); `given` maps a method to
+    the spec given for it (a Medusa tree). Returns the config and the labelled specs."""
+    extra, named = registry.auto_options(engine.assets, auto.ks, given)
+    extra = tuple(o for o in extra if o not in auto.extra)
+    return dataclasses.replace(auto, extra=auto.extra + extra), {k: SpecConfig(**f) for k, f in named.items()}

@@ -37,6 +37,8 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Int
 
+from specjax import sharding
+
 _MULT = np.uint32(0x9E3779B1)  # Knuth's multiplicative constant (golden ratio * 2^32)
 _SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over the slots
 
@@ -64,11 +66,14 @@ class TableConfig:
 
 
 @struct.dataclass
-class NgramTable:
+class NgramTable(sharding.Logical):
     keys: Int[Array, "T N"]  # the n-gram, left-padded with -1; all -1 = empty
     follow: Int[Array, "T W"]  # the tokens that followed it
     owner: Int[Array, "T"] | None = None  # the tenant that wrote it (None: tenant 0 everywhere)
     min_n: int = struct.field(pytree_node=False, default=2)
+
+    def logical_axes(self):
+        return dict(keys=(), follow=(), owner=())  # shared by every row: replicated
 
     @classmethod
     def empty(cls, config: TableConfig) -> "NgramTable":

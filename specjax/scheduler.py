@@ -54,6 +54,7 @@ from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, O
 from specjax.decoder import Decoder, Inputs, State, Stats
 from specjax.state import DecodeState, insert_row, rows_map
 from specjax.engine import Engine, GenerateOptions
+from specjax.proposers import registry
 from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters
 
@@ -194,8 +195,8 @@ class Scheduler:
       max_prompt_tokens: the longest prompt to accept; default: the longest one submitted before
         the first step (it fixes the cache length).
       auto_specs: for "auto", the `SpecConfig` behind an option's method label when it is not
-        simply `SpecConfig(method=label, k=K)`; e.g. {"medusa-tree": SpecConfig(method="medusa",
-        tree="heads")} with ("medusa-tree", depth) in `ControllerConfig.extra`.
+        simply `SpecConfig(method=label, k=K)`; e.g. a Medusa tree, labelled medusa-tree, with
+        ("medusa-tree", depth) in `ControllerConfig.extra` (`specjax.loadbench.with_assets`).
       batch_sizes: batch sizes a chunk may run at (each <= slots; slots is always one). With more
         than one, running rows are kept packed at the front (a finished row's slot takes the last
         running row) and each chunk runs on the smallest size that holds them, so a light load pays
@@ -251,7 +252,7 @@ class Scheduler:
         self.fixed: Option = next(iter(self.specs), PLAIN)  # a fixed spec's option
         for s in self.specs.values():
             engine.proposer(s)  # raises before compiling (heads missing, k too large, ...)
-        lookups = [s for s in self.specs.values() if s.method == "ngram"]
+        lookups = [s for s in self.specs.values() if registry.looks_up(s.method)]
         if ngram_table is None:
             ngram_table = NGRAM_TABLE_SLOTS if lookups else 0
         self.table = None
@@ -276,7 +277,7 @@ class Scheduler:
         self.chunk_log: list[telemetry.ChunkRecord] = (  # every chunk (or the last `history`): what ran, why, for whom
             [] if history is None else collections.deque(maxlen=int(history)))
         # auto with prompt lookup among its options: replay it over text other options commit
-        lookups = [s for o, s in self.specs.items() if s.method == "ngram"]
+        lookups = [s for o, s in self.specs.items() if registry.looks_up(s.method)]
         self._replay_spec = (max(lookups, key=lambda s: s.k)
                              if self.ccfg is not None and self.ccfg.replay_ngram and lookups else None)
         self._lookups: dict[int, HostLookup] = {}
@@ -663,7 +664,7 @@ class Scheduler:
                 req.counters.merge(chunk)
                 if self.controller is not None:
                     self.controller.observe(req.id, o[0], chunk.accepted_tokens_per_pos, chunk.num_drafts)
-            self._replay(req, real=o[0] == "ngram")
+            self._replay(req, real=self._replay_spec is not None and o[0] == self._replay_spec.method)
             if done[i]:
                 self._finish(req, t, int(fwd[i]))
         self._pack()
@@ -698,7 +699,7 @@ class Scheduler:
             return
         kept, steps = replay(lookup, committed)
         if steps:
-            self.controller.observe(req.id, "ngram", kept, steps)
+            self.controller.observe(req.id, self._replay_spec.method, kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)

@@ -41,7 +41,7 @@ RULES: dict[str, str | None] = {
     "embed": None,  # D: never sharded for inference (no FSDP)
     "head_dim": None,
     "seq": None,
-    "medusa": None,  # the heads' own stacked dims: a few MB, replicated
+    "draft_heads": None,  # Medusa's stacked heads: a few MB, replicated
     "layers": None,
     "vocab_ids": None,
     "features": None,  # an EAGLE head's concatenated inputs: replicated (a few MB)
@@ -225,65 +225,58 @@ def place_module(module: nnx.Module, mesh: Mesh | None) -> nnx.Module:
     return nnx.merge(graphdef, place_state(state, mesh))
 
 
-def place_pparams(pparams, mesh: Mesh | None, *, proposer=None):
-    """A proposer's params on `mesh`: nnx states by their axes, Medusa's vocabulary-sized arrays
-    vocab-parallel, anything else replicated."""
+class Logical:
+    """Mixin for a pytree that names the logical axes of its own arrays, as model params do in their
+    `axes` metadata: a proposer's params, the KV cache, the shared n-gram table. `logical_axes()`
+    maps each field to its axes (one name per dimension), or to None for a field placed by its own
+    metadata (an `nnx.State`), or for every array of a field that is itself a pytree (the KV
+    cache's per-layer buffers). An empty tuple replicates."""
+
+    def logical_axes(self) -> dict[str, tuple[str | None, ...] | None]:
+        raise NotImplementedError
+
+
+def _spec_of(x, axes, mesh) -> P:
+    return resolve(axes, x.shape, mesh) if axes else P()
+
+
+def place_pparams(pparams, mesh: Mesh | None):
+    """A proposer's params on `mesh`: an nnx state by its axes, a `Logical` by the axes it names,
+    anything else replicated."""
     if mesh is None or pparams is None:
         return pparams
-    from specjax.proposers.medusa import MedusaParams
-
-    if isinstance(pparams, MedusaParams):
-        tied = getattr(proposer, "tied", True)
-        head_axes = ("vocab", "embed") if tied else ("embed", "vocab")
-        return MedusaParams(
-            heads=place_state(pparams.heads, mesh),
-            lm_head=put(pparams.lm_head, NamedSharding(mesh, resolve(head_axes, pparams.lm_head.shape, mesh))),
-            ids=None if pparams.ids is None else put(pparams.ids, NamedSharding(mesh, P())),
-            embed=put(pparams.embed, NamedSharding(mesh, resolve(("vocab", "embed"), pparams.embed.shape, mesh))))
-    from specjax.proposers.eagle import EagleParams
-
-    if isinstance(pparams, EagleParams):  # the head by its axes; the LM head's rows vocab-parallel
-        vocab = lambda x: put(x, NamedSharding(mesh, resolve(("vocab", "embed"), x.shape, mesh)))
-        return EagleParams(head=place_state(pparams.head, mesh), lm_rows=vocab(pparams.lm_rows),
-                           ids=put(pparams.ids, NamedSharding(mesh, P())), embed=vocab(pparams.embed))
     if isinstance(pparams, nnx.State):
         return place_state(pparams, mesh)
+    if isinstance(pparams, Logical):
+        def field(name, axes):
+            x = getattr(pparams, name)
+            if x is None or isinstance(x, nnx.State):
+                return place_state(x, mesh) if x is not None else None
+            return jax.tree.map(lambda a: put(a, NamedSharding(mesh, _spec_of(a, axes, mesh))), x)
+        return pparams.replace(**{n: field(n, a) for n, a in pparams.logical_axes().items()})
     return jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), pparams)
 
 
 # ---- the loop carry ------------------------------------------------------------------------------
 
 
-def _is_cache(x) -> bool:
-    from specjax.models.kv_cache import KVCache
-
-    return isinstance(x, KVCache)
-
-
-def _is_table(x) -> bool:
-    from specjax.ngram_table import NgramTable
-
-    return isinstance(x, NgramTable)
-
-
 def carry_specs(tree, mesh=None):
-    """PartitionSpecs of a decode state (or inputs): KV buffers `[B, S, K, H]` over `data` and,
-    where K divides tp, `model`; the shared n-gram table and scalars replicated; every other leaf
-    has a leading batch dim split over `data`."""
+    """PartitionSpecs of a decode state (or inputs): a `Logical` node (the KV buffers `[B, S, K, H]`
+    over `data` and, where K divides tp, `model`; the shared n-gram table replicated) by the axes it
+    names, scalars replicated; every other leaf has a leading batch dim split over `data`."""
     def leaf(x):  # empty arrays (a plain loop's per-depth counters) come out replicated anyway
         if len(x.shape) == 0 or math.prod(x.shape) == 0:
             return P()
         return resolve(("batch",) + (None,) * (len(x.shape) - 1), x.shape, mesh)
 
     def node(x):
-        if _is_cache(x):
-            cache = lambda b: resolve(("batch", "seq", "kv_heads", "head_dim"), b.shape, mesh)
-            return jax.tree.map(cache, x)
-        if _is_table(x):
-            return jax.tree.map(lambda _: P(), x)
+        if isinstance(x, Logical):
+            axes = x.logical_axes()
+            return x.replace(**{n: jax.tree.map(lambda a, ax=ax: _spec_of(a, ax, mesh), getattr(x, n))
+                                for n, ax in axes.items()})
         return leaf(x)
 
-    return jax.tree.map(node, tree, is_leaf=lambda x: _is_cache(x) or _is_table(x))
+    return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, Logical))
 
 
 def carry_shardings(tree, mesh: Mesh):
@@ -437,8 +430,8 @@ def memory_report(engine, *, batch: int, cache_length: int) -> dict:
                cache=cache_bytes_per_device(engine.config, batch, cache_length, mesh))
     if engine.draft is not None:
         _, dstate = nnx.split(engine.draft)
-        out["draft"] = param_bytes_per_device(dstate, one, kv_heads=engine.draft.config.num_kv_heads)
-        out["draft_cache"] = cache_bytes_per_device(engine.draft.config, batch, cache_length, mesh)
+        out.update(draft=param_bytes_per_device(dstate, one, kv_heads=engine.draft.config.num_kv_heads),
+                   draft_cache=cache_bytes_per_device(engine.draft.config, batch, cache_length, mesh))
     if engine.heads is not None:
         _, hstate = nnx.split(engine.heads.module)
         out["heads"] = param_bytes_per_device(hstate, one)

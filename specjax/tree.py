@@ -24,8 +24,44 @@ from jaxtyping import Array, Int
 
 from flax import struct
 
-from specjax.config import Tree, chain
 from specjax.models.kv_cache import KVCache
+
+MAX_TREE_NODES = 64
+
+Tree = tuple[tuple[int, ...], ...]
+
+# Static candidate trees for Medusa heads, as paths of top-k ranks (Medusa's `medusa_choices`):
+# (0,) is head 0's top-1, (0, 1) is head 1's top-2 after head 0's top-1, and so on.
+TREES: dict[str, Tree] = {
+    "chain4": ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)),
+    "small": ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)),
+    "medium": ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+               (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1)),
+}
+
+
+HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
+
+
+def chain(k: int) -> Tree:
+    return tuple((0,) * i for i in range(1, k + 1))
+
+
+def validate_tree(tree: Tree) -> None:
+    if not tree:
+        raise ValueError("tree is empty: give at least one path, e.g. ((0,),)")
+    if len(tree) > MAX_TREE_NODES:
+        raise ValueError(f"tree has {len(tree)} nodes: at most {MAX_TREE_NODES} are supported")
+    seen = set()
+    for path in tree:
+        if not path or any(int(r) != r or r < 0 for r in path):
+            raise ValueError(f"tree path {path!r}: must be a non-empty tuple of ranks >= 0")
+        if path in seen:
+            raise ValueError(f"tree path {path!r} appears twice")
+        if len(path) > 1 and path[:-1] not in seen:
+            raise ValueError(f"tree path {path!r} comes before (or without) its parent {path[:-1]!r}; "
+                             "list parents first")
+        seen.add(path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,7 +15,7 @@ import heapq
 
 import numpy as np
 
-from specjax.config import Tree
+from specjax.tree import Tree
 
 
 def path_probability(path: tuple[int, ...], acc: np.ndarray) -> float:

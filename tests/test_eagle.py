@@ -226,6 +226,6 @@ def test_shipped_head_on_the_real_model_equals_plain(smollm2):
     prompts = ["Write a Python function that returns the sum of a list.", "What is the capital of France?"]
     plain = [r.tokens for r in eng.generate(prompts, chat=True, max_new_tokens=40)]
     for tree in (False, True):
-        out = eng.generate(prompts, chat=True, max_new_tokens=40, spec=eng.eagle.spec(tree=tree))
+        out = eng.generate(prompts, chat=True, max_new_tokens=40, spec=eng.tuned("eagle", tree=tree))
         assert [r.tokens for r in out] == plain
         assert sum(r.counters.num_accepted_tokens for r in out) > 0

@@ -247,8 +247,8 @@ def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     table = np.zeros((64, 64), np.int32)
     for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=M)):
         table[p[0], : len(p) + len(r.tokens)] = p + r.tokens
-    monkeypatch.setitem(registry.FACTORIES, "selective",
-                        lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table)))
+    monkeypatch.setitem(registry.RECORDS, "selective", registry.Record(
+        "selective", lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table))))
     cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
     # a fixed cost model (verify = 1.1 plain steps): timings of the tiny model are noise, and a
     # calibration that found the verify cheaper than a plain step once let an "open" row speculate

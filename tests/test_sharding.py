@@ -214,7 +214,7 @@ def test_resolve_replicates_what_does_not_divide():
     assert sharding.resolve(("vocab", "embed"), (63, 32), mesh) == P()  # V not divisible
     assert sharding.resolve(("batch", "seq", "kv_heads", "head_dim"), (8, 40, 2, 8), mesh) == P("data", None, "model")
     assert sharding.resolve(("batch", None), (6, 3), mesh) == P()  # 6 rows over data=4
-    assert sharding.resolve(("medusa", "embed", "vocab"), (4, 32, 64), mesh) == P(None, None, "model")
+    assert sharding.resolve(("draft_heads", "embed", "vocab"), (4, 32, 64), mesh) == P(None, None, "model")
     x = jnp.ones((8, 4))
     assert sharding.constrain(x, ("batch", "vocab")) is x  # no mesh in context: untouched
 

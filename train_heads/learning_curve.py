@@ -74,7 +74,7 @@ def bench(out_json, prompts_file, heads, *, per_task=2, k=3, max_new_tokens=128,
     results = {}
     for h in heads:
         engine.load_eagle(h)
-        spec = engine.eagle.spec(tree=False, k=k)
+        spec = engine.tuned("eagle", k=k)
         t0 = time.perf_counter()
         rows += b.run(engine, prompts, {h: spec}, opts, chat=True, progress=False)
         results[h] = [s for s in b.summarize([x for x in rows if x["method"] in ("none", h)]) if s["method"] == h]

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 from jaxtyping import Array
 
-from specjax.config import Tree, chain
+from specjax.tree import Tree, chain
 from specjax.sampling import SamplingConfig
 from specjax.state import DecodeState
 

@@ -33,7 +33,6 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from specjax import sampling, sharding, tree
-from specjax.config import Tree, chain
 from specjax.models import eagle as eagle_model
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.kv_cache import KVCache, attention_mask
@@ -43,7 +42,7 @@ TIE_BREAK = 1e-6  # subtracted per level from path log-probabilities: a child ne
 
 
 @struct.dataclass
-class EagleParams:
+class EagleParams(sharding.Logical):
     """The arrays an EAGLE proposer reads: the head, the LM head's rows for the draft vocabulary
     (`lm_rows [Vd, D]`, with `ids [Vd]` mapping back to token ids) and the target's embedding."""
 
@@ -51,6 +50,9 @@ class EagleParams:
     lm_rows: Float[Array, "Vd D"]
     ids: Int[Array, "Vd"]
     embed: Float[Array, "V D"]
+
+    def logical_axes(self):  # the head by its own axes; the LM head's rows vocab-parallel
+        return dict(head=None, lm_rows=("vocab", "embed"), ids=(), embed=("vocab", "embed"))
 
 
 @struct.dataclass
@@ -116,8 +118,8 @@ class EagleProposer:
 
     # ---- static shape ------------------------------------------------------------------------
     @property
-    def paths(self) -> Tree:
-        return chain(self.k)
+    def paths(self) -> tree.Tree:
+        return tree.chain(self.k)
 
     @property
     def topology(self) -> tree.DynamicTopology | None:

@@ -6,7 +6,7 @@ verify window). Head m applied to it predicts the token m + 1 places after the p
 window depth m + 1 of the next verify. Drafts are deterministic (top-k ranks), so q is one-hot
 and every lossless rule stays lossless.
 
-Tree nodes are paths of ranks (see `specjax.config.TREES`): node (r_1, ..., r_d) is head d-1's
+Tree nodes are paths of ranks (see `specjax.tree.TREES`): node (r_1, ..., r_d) is head d-1's
 rank-r_d token, placed after its parent (r_1, ..., r_{d-1}).
 """
 
@@ -21,7 +21,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from specjax import sharding
-from specjax.config import HEADS_TREE, Tree, chain
+from specjax.tree import HEADS_TREE, Tree, chain
 from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import MedusaHeads
 from specjax.models.llama import Llama
@@ -29,20 +29,25 @@ from specjax.state import DecodeState, last_tokens
 
 
 @struct.dataclass
-class MedusaParams:
+class MedusaParams(sharding.Logical):
     """The arrays a Medusa proposer reads.
 
     `lm_head` is the base LM head (`[V, D]` when tied or stored "nk", else `[D, V]`), or only its rows for a subset
     of frequent tokens (`[V', D]`, with `ids [V']` mapping back to the vocabulary; `ids` is None for
     the full vocabulary). Projecting onto the few thousand tokens that make up nearly all generated
     text cuts the heads' cost several-fold; a token outside the subset is simply never proposed,
-    which verification tolerates. `embed` feeds `token_input` heads.
+    which verification tolerates. `embed` feeds `token_input` heads. `lm_axes` names the LM
+    head's dimensions, so that on a mesh it is vocabulary-parallel either way round.
     """
 
     heads: Any  # the heads' nnx.State
     lm_head: Float[Array, "..."]
     ids: Int[Array, "Vs"] | None  # Vs: the subset size
     embed: Float[Array, "V D"]
+    lm_axes: tuple[str, str] = struct.field(pytree_node=False, default=("vocab", "embed"))
+
+    def logical_axes(self):
+        return dict(heads=None, lm_head=self.lm_axes, ids=(), embed=("vocab", "embed"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +110,8 @@ class MedusaProposer:
         proposer = cls(k=depth, graphdef=graphdef, tied=tied, tree=tree)
         return proposer, MedusaParams(heads=params, lm_head=weight,
                                       ids=None if ids is None else jnp.asarray(ids, jnp.int32),
-                                      embed=target.embed[...])
+                                      embed=target.embed[...],
+                                      lm_axes=("vocab", "embed") if tied else ("embed", "vocab"))
 
     @classmethod
     def from_spec(cls, spec, assets):

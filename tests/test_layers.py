@@ -1,0 +1,54 @@
+"""The import contract in pyproject.toml ([tool.importlinter]) holds: core below hosts below the CLI,
+training above inference, no cycles. Deferred imports count (the linter reads every import)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+from conftest import need_module
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def installed_layout(into: pathlib.Path) -> pathlib.Path:
+    """The packages as installed (pyproject's package-dir: models/ is specjax.models, train_heads/ is
+    specjax.train_heads), made of symlinks under `into`: the linter walks directories, and in the
+    checkout specjax/ holds neither."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    top = into / "specjax"
+    top.mkdir(parents=True)
+    for f in (ROOT / dirs["specjax"]).iterdir():
+        (top / f.name).symlink_to(f)
+    for package, folder in dirs.items():
+        if package != "specjax":
+            (into / package.replace(".", "/")).symlink_to(ROOT / folder)
+    return into
+
+
+def lint(root: pathlib.Path) -> subprocess.CompletedProcess:
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))")
+    env = dict(os.environ, PYTHONPATH=str(root))  # the laid-out tree first, not the checkout
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_import_contract_holds(tmp_path):
+    need_module("importlinter")
+    out = lint(installed_layout(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 broken" in out.stdout and "KEPT" in out.stdout
+
+
+def test_contract_catches_an_upward_import(tmp_path):
+    """Negative control: the core importing the CLI breaks the layers contract."""
+    need_module("importlinter")
+    root = installed_layout(tmp_path)
+    state = root / "specjax" / "state.py"
+    text = state.read_text()
+    state.unlink()  # a copy instead of the link, so the checkout is not touched
+    state.write_text(text + "\nfrom specjax import cli  # noqa: E402,F401\n")
+    out = lint(root)
+    assert out.returncode != 0 and "specjax.state is not allowed to import specjax.cli" in out.stdout, out.stdout
