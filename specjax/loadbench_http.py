@@ -173,7 +173,7 @@ def main(args) -> int:
 
     from specjax import surge
     from specjax.bench import SYNTHETIC_PROMPT
-    from specjax.loadbench import DEFAULT_CONCURRENCY, _int_list, interleave
+    from specjax.loadbench import DEFAULT_CONCURRENCY, int_list, interleave
     from specjax.prompts import bench_prompts, check_output_paths
 
     base = args.url.rstrip("/")
@@ -181,7 +181,7 @@ def main(args) -> int:
         raise ValueError(f"--url {args.url!r}: give the server's base URL, e.g. http://127.0.0.1:8000")
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     phases = surge.parse_phases(args.surge) if args.surge else None
-    conc = _int_list(args.concurrency, "concurrency") if args.concurrency else (
+    conc = int_list(args.concurrency, "concurrency") if args.concurrency else (
         (16,) if phases else DEFAULT_CONCURRENCY)
     if any(c < 1 for c in conc):
         raise ValueError(f"--concurrency {args.concurrency}: each level must be >= 1")
