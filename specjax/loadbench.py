@@ -89,7 +89,6 @@ def int_list(text: str, name: str) -> tuple[int, ...]:
         raise ValueError(f"--{name} {text!r}: give comma-separated integers, e.g. 1,4,16") from None
 
 
-
 def interleave(prompts: Sequence) -> list:
     """Round-robin over task classes (each in file order), so consecutive requests mix tasks."""
     groups: dict = {}
