@@ -529,7 +529,7 @@ def cmd_serve(args) -> int:
         lookups = [m for m in AUTO_METHODS if registry.looks_up(m)]
         if not auto_methods & set(lookups):
             raise ValueError(f"--auto-methods must include {' or '.join(lookups)} (auto's cheapest option)")
-        ccfg, named = loadbench.with_assets(engine, ControllerConfig())
+        ccfg, named = loadbench.with_assets(engine, ControllerConfig(max_step_cost=args.auto_max_step_cost))
     elif registry.record(args.method).tuned is not None:
         spec = tuned_spec(engine, args.method, args)
     elif args.method != "none":
@@ -848,6 +848,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one cross-request n-gram table for every tenant (default: one scope per API key "
                          "or user: a tenant's text is never proposed to another)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    sv.add_argument("--auto-max-step-cost", type=float, default=None,
+                    help="auto: run only options whose step costs at most this many plain steps at the chunk's "
+                         "batch size (bounds inter-token latency; e.g. 1.5 turns speculation off at full batch here)")
     sv.add_argument("--auto-methods", default=",".join(AUTO_METHODS),
                     help="--method auto: the proposers the controller may use (those the model has assets "
                          "for); each compiles its programs before /health turns 200")

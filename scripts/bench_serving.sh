@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 18's speed checks in one run (SmolLM2-135M fp32, greedy, the ops prompts, 256 new tokens):
+#  1. HTTP against the in-process scheduler: plain decoding at concurrency 1 (TTFT) and 16 (throughput);
+#  2. one server, speculation per request: "off" against "auto" at concurrency 1 and 16;
+#  3. the surge (light -> peak -> light) against the same server, off against auto.
+# Same slots and batch sizes everywhere: 16 slots, chunks at batch 1, 2, 4, 8 or 16.
+# Usage: scripts/bench_serving.sh [OUT_DIR] (JSON per stage there; needs a quiet machine: ~25 min here)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/bench_serving}
+mkdir -p "$OUT"
+SJ=.venv/bin/specjax
+OPS=../shared/data/ops-dev.jsonl
+PORT=${PORT:-8017}
+URL=http://127.0.0.1:$PORT
+COMMON=(--prompts-file "$OPS" --chat --max-new-tokens 256)
+STEP_COST=${STEP_COST:-1.5}
+
+echo "== in-process scheduler, plain ==" >&2
+$SJ loadbench "${COMMON[@]}" --per-task 4 --methods none --concurrency 1 --json "$OUT/inproc_c1.json"
+$SJ loadbench "${COMMON[@]}" --per-task 16 --methods none --concurrency 16 --batch-sizes 1,2,4,8 \
+    --json "$OUT/inproc_c16.json"
+
+echo "== server: auto over prompt lookup, step cost <= $STEP_COST ==" >&2
+$SJ serve --model smollm2-135m --method auto --auto-methods ngram --auto-max-step-cost "$STEP_COST" \
+    --slots 16 --batch-sizes 1,2,4,8 --max-tokens 256 --max-queue 256 --port "$PORT" &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+    curl -sf "$URL/health" >/dev/null && break
+    kill -0 $SERVER 2>/dev/null || { echo "the server exited during warm-up" >&2; exit 1; }
+    sleep 1
+done
+curl -sf "$URL/health" >/dev/null || { echo "the server was not ready after 600 s" >&2; exit 1; }
+
+$SJ loadbench --url "$URL" "${COMMON[@]}" --per-task 4 --methods none,auto --concurrency 1 \
+    --json "$OUT/http_c1.json"
+$SJ loadbench --url "$URL" "${COMMON[@]}" --per-task 16 --methods none,auto --concurrency 16 \
+    --json "$OUT/http_c16.json"
+$SJ loadbench --url "$URL" "${COMMON[@]}" --methods none,auto --surge 0.5:40,4:30,0.5:40 --concurrency 16 \
+    --json "$OUT/http_surge.json"
+curl -sf "$URL/metrics" > "$OUT/metrics.txt" || true
+echo "results in $OUT" >&2
