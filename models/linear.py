@@ -20,6 +20,7 @@ Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -38,7 +39,8 @@ LAYOUTS = ("kn", "nk")
 KERNEL_MIN_ROWS = 2  # one row is a matrix-vector product: XLA's own is at least as fast (measured)
 KERNEL_MAX_ROWS = 16  # from about here a product is compute-bound and XLA's GEMM is as fast (measured)
 _SOURCE = pathlib.Path(__file__).with_name("dense_nk.cc")
-_TARGET = "specjax_dense_nk"
+_SYMBOL = "specjax_dense_nk"  # the handler dense_nk.cc exports
+_TARGET = _SYMBOL  # the FFI target `dense` calls (`kernel_target` swaps it in benchmarks)
 _log = logging.getLogger(__name__)
 
 
@@ -175,18 +177,25 @@ def build(force: bool = False) -> pathlib.Path:
     Raises:
       RuntimeError: no C++ compiler, or it failed (its message included).
     """
+    return _compile(_SOURCE.read_bytes(), _cache_dir() / f"dense_nk-{_machine_tag()}.so", force=force)
+
+
+def _compile(source: bytes, out: pathlib.Path, *, force: bool = False, target: str = _SYMBOL) -> pathlib.Path:
+    """`source` (a version of dense_nk.cc) built into `out`, its handler exported as `target`."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
-    out = _cache_dir() / f"dense_nk-{_machine_tag()}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    rename = [] if target == _SYMBOL else [f"-D{_SYMBOL}={target}"]
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = pathlib.Path(tmp) / _SOURCE.name
+        src.write_bytes(source)
         tmp_out = pathlib.Path(tmp) / out.name
-        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-               str(_SOURCE), "-o", str(tmp_out)]
+        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *rename,
+               str(src), "-o", str(tmp_out)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 and march:  # a compiler without -march/-mcpu=native: the portable build
             cmd = [c for c in cmd if c not in march]
@@ -195,6 +204,28 @@ def build(force: bool = False) -> pathlib.Path:
             raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{res.stderr.strip()[-2000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders each install a complete library
     return out
+
+
+def register_variant(source: bytes, target: str) -> str:
+    """Builds another version of dense_nk.cc (e.g. an older commit's, for an interleaved A/B timing)
+    and registers it as FFI target `target`; `kernel_target(target)` then routes `dense` to it."""
+    tag = hashlib.sha256(source + _machine_tag().encode() + target.encode()).hexdigest()[:16]
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(str(_compile(source, _cache_dir() / f"{target}-{tag}.so", target=target)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return target
+
+
+@contextlib.contextmanager
+def kernel_target(target: str):
+    """Traces `dense` with the kernel registered as `target` (benchmarks only)."""
+    global _TARGET
+    old, _TARGET = _TARGET, target
+    try:
+        yield
+    finally:
+        _TARGET = old
 
 
 @functools.cache
@@ -206,7 +237,7 @@ def _register() -> bool:
         import ctypes
 
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _TARGET)), platform="cpu")
+        jax.ffi.register_ffi_target(_SYMBOL, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
         _STATUS["reason"] = f"{type(e).__name__}: {e}"
         _log.warning("specjax: the CPU dense kernel is unavailable, using XLA's dot (%s)", _STATUS["reason"])
