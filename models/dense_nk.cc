@@ -149,46 +149,72 @@ void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K,
     }
 }
 
+// The products of one x with up to kMaxParts weights (q/k/v, gate/up: one call, one split of the
+// work over the threads, where three calls would each run their small product on one thread).
+constexpr int kMaxParts = 4;
+struct Part {
+  const float* w;
+  float* y;
+  int64_t N, first;  // weight rows; index of its first block
+};
+
 // Blocks of weight rows handed out by an atomic counter; the calling thread works too, so it never
 // waits for a task that has not started (no deadlock when the pool is busy), only for running ones.
 struct Work {
-  const float *x, *w;
-  float* y;
-  int64_t M, K, N, block, nblocks;
+  const float* x;
+  Part parts[kMaxParts];
+  int nparts = 0;
+  int64_t M, K, block, nblocks;
   std::atomic<int64_t> next{0}, done{0};
   void run() {
     for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < nblocks;) {
-      int64_t n0 = b * block, n1 = std::min(n0 + block, N);
-      weight_rows(x, w, y, M, K, N, n0, n1);
+      int p = 0;
+      while (p + 1 < nparts && b >= parts[p + 1].first) ++p;
+      const Part& q = parts[p];
+      int64_t n0 = (b - q.first) * block, n1 = std::min(n0 + block, q.N);
+      weight_rows(x, q.w, q.y, M, K, q.N, n0, n1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                   ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
-      yd[1] != wd[0])
-    return ffi::Error::InvalidArgument(
-        "specjax_dense_nk: needs x [M, K], w [N, K] and a result [M, N] (fp32)");
+ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  auto xd = x.dimensions();
+  const char* usage =
+      "specjax_dense_nk: needs x [M, K], 1-4 weights w_i [N_i, K] and results [M, N_i] (fp32)";
+  if (xd.size() != 2 || ws.size() < 1 || ws.size() > kMaxParts || ys.size() != ws.size())
+    return ffi::Error::InvalidArgument(usage);
   auto work = std::make_shared<Work>();
   work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
   work->M = xd[0];
   work->K = xd[1];
-  work->N = wd[0];
-  if (work->M == 0 || work->N == 0) return ffi::Error::Success();
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(usage);
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2 || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0])
+      return ffi::Error::InvalidArgument(usage);
+    work->parts[i] = Part{w->typed_data(), (*y)->typed_data(), wd[0], 0};
+    total += wd[0];
+  }
+  work->nparts = static_cast<int>(ws.size());
+  if (work->M == 0 || total == 0) return ffi::Error::Success();
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // a few blocks per thread (load balance on a busy machine), each at least ~64 KiB of weights
-  int64_t block = (work->N + 4 * threads - 1) / (4 * threads);
+  int64_t block = (total + 4 * threads - 1) / (4 * threads);
   block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
   block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
   work->block = block;
-  work->nblocks = (work->N + block - 1) / block;
-  // a weight under ~2 MiB streams in less time than waking another thread can take: run it here
-  int64_t helpers = work->N * work->K < (int64_t(1) << 19) ? 0 : std::min(threads, work->nblocks) - 1;
+  int64_t nblocks = 0;
+  for (int p = 0; p < work->nparts; ++p) {
+    work->parts[p].first = nblocks;
+    nblocks += (work->parts[p].N + block - 1) / block;
+  }
+  work->nblocks = nblocks;
+  // weights under ~2 MiB stream in less time than waking another thread can take: run them here
+  int64_t helpers = total * work->K < (int64_t(1) << 19) ? 0 : std::min(threads, nblocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
@@ -201,5 +227,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_dense_nk, DenseNK,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

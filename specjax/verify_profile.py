@@ -95,7 +95,7 @@ def _kernel(enabled):
     linear.KERNEL_MAX_ROWS = old if enabled else 0
     try:
         if isinstance(enabled, str):
-            with linear.kernel_target(enabled):
+            with linear.kernel_target(enabled, multi=_MULTI.get(enabled, False)):
                 yield
         else:
             yield
@@ -104,6 +104,7 @@ def _kernel(enabled):
 
 
 _BASELINES: dict[str, str] = {}  # git revision -> the FFI target its kernel is registered as
+_MULTI: dict[str, bool] = {}  # FFI target -> whether it takes several weights per call
 
 
 def baseline_target(rev: str) -> str:
@@ -115,8 +116,9 @@ def baseline_target(rev: str) -> str:
     root = linear._SOURCE.resolve().parent
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:models/dense_nk.cc"], capture_output=True,
                          check=True).stdout
-    _BASELINES[rev] = linear.register_variant(src, "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum()))
-    return _BASELINES[rev]
+    _BASELINES[rev] = target = linear.register_variant(src, "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum()))
+    _MULTI[target] = b"RemainingArgs" in src
+    return target
 
 
 def _chain(form: str):
