@@ -9,7 +9,9 @@ recorded in `ModelConfig.weight_layout`:
         every call, so a 5-row product cost 2-4x a 1-row one although both read the same bytes
         (docs/BENCHMARKS.md, "The verify window on CPU").
 
-`dense` is the one product every projection of the model goes through. The kernel is built with the
+`dense` is the one product every projection of the model goes through (`dense_many` for several
+weights that read the same input: q/k/v and gate/up are one kernel call each, with the work of all
+of them split over the threads). The kernel is built with the
 machine's C++ compiler on first use (cached per machine under `~/.cache/specjax/kernels`; build it
 ahead with `python -m specjax.models.linear`) and used only where it applies: a CPU backend, fp32,
 no mesh in context, `KERNEL_MIN_ROWS` to `KERNEL_MAX_ROWS` rows. Everywhere else, and when it cannot
