@@ -213,8 +213,10 @@ ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
     nblocks += (work->parts[p].N + block - 1) / block;
   }
   work->nblocks = nblocks;
-  // weights under ~2 MiB stream in less time than waking another thread can take: run them here
-  int64_t helpers = total * work->K < (int64_t(1) << 19) ? 0 : std::min(threads, nblocks) - 1;
+  // a product that takes less time than waking another thread can take runs here: weights under
+  // ~2 MiB at up to 8 rows (memory-bound), and from 8 rows on as much work in FLOPs (compute-bound)
+  int64_t work_units = total * work->K * std::max<int64_t>(8, work->M);
+  int64_t helpers = work_units < (int64_t(8) << 19) ? 0 : std::min(threads, nblocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
