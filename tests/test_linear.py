@@ -33,11 +33,11 @@ def _close(a, b, k):
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 17), k=st.integers(1, 70), n=st.integers(1, 40), batch=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(m=st.integers(1, linear.KERNEL_MAX_ROWS + 2), k=st.integers(1, 70), n=st.integers(1, 40),
+       batch=st.booleans(), seed=st.integers(0, 2**16))
 def test_dense_equals_reference_in_every_layout(m, k, n, batch, seed):
-    """M = 1..17 rows (the kernel's row tiles and remainders, K not a multiple of 16): "kn", "nk"
-    (the kernel where built) and "nk" through XLA's dot all give `x @ w`."""
+    """M = 1..KERNEL_MAX_ROWS + 2 rows (the kernel's row tiles and remainders, K not a multiple of 16):
+    "kn", "nk" (the kernel where built) and "nk" through XLA's dot all give `x @ w`."""
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (m, k), jnp.float32)
     if batch and m > 1:  # leading dims [B, T] flatten into the kernel's M
@@ -83,8 +83,8 @@ def test_kernel_errors_are_clear():
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 17), k=st.integers(1, 70), ns=st.lists(st.integers(0, 40), min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
+@given(m=st.integers(1, linear.KERNEL_MAX_ROWS + 2), k=st.integers(1, 70),
+       ns=st.lists(st.integers(0, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16))
 def test_dense_many_is_each_product(m, k, ns, seed):
     """`dense_many` (q/k/v and gate/up as one kernel call) gives, in every layout, each weight's
     `dense` bit for bit (the same row tiles and sums), and `x @ w`; empty weights included."""
