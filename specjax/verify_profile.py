@@ -116,7 +116,8 @@ def baseline_target(rev: str) -> str:
     root = linear._SOURCE.resolve().parent
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:models/dense_nk.cc"], capture_output=True,
                          check=True).stdout
-    _BASELINES[rev] = target = linear.register_variant(src, "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum()))
+    name = "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum())
+    _BASELINES[rev] = target = linear.register_variant(src, name)
     _MULTI[target] = b"RemainingArgs" in src
     return target
 
