@@ -92,7 +92,7 @@ def _kernel(enabled):
     """Trace with the CPU kernel on or off (the XLA formulation of the same layout); a string: on,
     through that FFI target (a baseline's kernel, `baseline_target`)."""
     old = linear.KERNEL_MAX_ROWS
-    linear.KERNEL_MAX_ROWS = old if enabled else 0
+    linear.KERNEL_MAX_ROWS = _MAX_ROWS.get(enabled, old) if enabled else 0
     try:
         if isinstance(enabled, str):
             with linear.kernel_target(enabled, multi=_MULTI.get(enabled, False)):
@@ -105,10 +105,12 @@ def _kernel(enabled):
 
 _BASELINES: dict[str, str] = {}  # git revision -> the FFI target its kernel is registered as
 _MULTI: dict[str, bool] = {}  # FFI target -> whether it takes several weights per call
+_MAX_ROWS: dict[str, int] = {}  # FFI target -> the most rows its revision sent to it
 
 
 def baseline_target(rev: str) -> str:
-    """Builds models/dense_nk.cc as of git revision `rev` and registers it as its own FFI target."""
+    """Builds models/dense_nk.cc as of git revision `rev` and registers it as its own FFI target,
+    used as that revision used it (one call per weight if it took one; up to its row limit)."""
     import subprocess
 
     if rev in _BASELINES:
@@ -119,6 +121,12 @@ def baseline_target(rev: str) -> str:
     name = "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum())
     _BASELINES[rev] = target = linear.register_variant(src, name)
     _MULTI[target] = b"RemainingArgs" in src
+    import re
+
+    lin = subprocess.run(["git", "-C", str(root), "show", f"{rev}:models/linear.py"], capture_output=True).stdout
+    rows = re.search(rb"^KERNEL_MAX_ROWS = (\d+)", lin, re.M)
+    if rows:  # that revision's routing: more rows went to XLA's dot
+        _MAX_ROWS[target] = int(rows.group(1))
     return target
 
 
