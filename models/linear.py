@@ -9,7 +9,9 @@ recorded in `ModelConfig.weight_layout`:
         every call, so a 5-row product cost 2-4x a 1-row one although both read the same bytes
         (docs/BENCHMARKS.md, "The verify window on CPU").
 
-`dense` is the one product every projection of the model goes through. The kernel is built with the
+`dense` is the one product every projection of the model goes through (`dense_many` for several
+weights that read the same input: q/k/v and gate/up are one kernel call each, with the work of all
+of them split over the threads). The kernel is built with the
 machine's C++ compiler on first use (cached per machine under `~/.cache/specjax/kernels`; build it
 ahead with `python -m specjax.models.linear`) and used only where it applies: a CPU backend, fp32,
 no mesh in context, `KERNEL_MIN_ROWS` to `KERNEL_MAX_ROWS` rows. Everywhere else, and when it cannot
@@ -20,6 +22,7 @@ Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -36,9 +39,14 @@ import jax.numpy as jnp
 
 LAYOUTS = ("kn", "nk")
 KERNEL_MIN_ROWS = 2  # one row is a matrix-vector product: XLA's own is at least as fast (measured)
-KERNEL_MAX_ROWS = 16  # from about here a product is compute-bound and XLA's GEMM is as fast (measured)
+# 17 and 33 rows (tree windows) measured faster in the kernel than XLA's GEMM on either layout (issue 21);
+# prefill (a bucket of 64+ rows per prompt) stays with XLA
+KERNEL_MAX_ROWS = 33
+MAX_PARTS = 4  # weights one kernel call takes (`dense_many`)
 _SOURCE = pathlib.Path(__file__).with_name("dense_nk.cc")
-_TARGET = "specjax_dense_nk"
+_SYMBOL = "specjax_dense_nk"  # the handler dense_nk.cc exports
+_TARGET = _SYMBOL  # the FFI target `dense` calls (`kernel_target` swaps it in benchmarks)
+_MULTI = True  # whether _TARGET takes several weights per call (an older kernel's did not)
 _log = logging.getLogger(__name__)
 
 
@@ -79,21 +87,43 @@ def preferred_layout(backend: str | None = None, dtype: str = "float32") -> str:
 # ---- the product ----------------------------------------------------------------------------------
 
 
+def _check(x, w, layout: str):
+    if w.ndim != 2 or w.shape[0 if check_layout(layout) == "kn" else 1] != x.shape[-1]:
+        raise ValueError(f"dense: x {tuple(x.shape)} and a {layout!r} weight {tuple(w.shape)} do not "
+                         f"contract (K={x.shape[-1]}; 'kn' stores [K, N], 'nk' stores [N, K])")
+
+
+def _rows(x) -> int:
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    return m
+
+
 def dense(x, w, layout: str):
     """`x[..., K]` times a stored weight (`w[K, N]` for "kn", `w[N, K]` for "nk") -> `[..., N]`."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    if w.ndim != 2 or w.shape[0 if check_layout(layout) == "kn" else 1] != k:
-        raise ValueError(f"dense: x {tuple(x.shape)} and a {layout!r} weight {tuple(w.shape)} do not "
-                         f"contract (K={k}; 'kn' stores [K, N], 'nk' stores [N, K])")
+    _check(x, w, layout)
     if layout == "kn":
         return x @ w
-    n = w.shape[0]
-    m = 1
-    for d in lead:
-        m *= d
+    lead, k, m = x.shape[:-1], x.shape[-1], _rows(x)
     if _use_kernel(m, x, w):
-        return _kernel_product(x.reshape(m, k), w).reshape(*lead, n)
+        return _kernel_products(x.reshape(m, k), (w,))[0].reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, w)
+
+
+def dense_many(x, ws, layout: str) -> tuple:
+    """`tuple(dense(x, w, layout) for w in ws)`: the products of one input with several weights (q/k/v,
+    gate/up). Where the kernel applies they are one call (up to `MAX_PARTS` weights), whose work is
+    split over the threads as one product's: the same results as separate calls, bit for bit, without
+    storing the weights concatenated (the params, loaders and mesh layout do not notice)."""
+    ws = tuple(ws)
+    for w in ws:
+        _check(x, w, layout)
+    lead, k, m = x.shape[:-1], x.shape[-1], _rows(x)
+    if (layout == "nk" and _MULTI and 1 < len(ws) <= MAX_PARTS and all(_use_kernel(m, x, w) for w in ws)):
+        ys = _kernel_products(x.reshape(m, k), ws)
+        return tuple(y.reshape(*lead, w.shape[0]) for y, w in zip(ys, ws))
+    return tuple(dense(x, w, layout) for w in ws)
 
 
 def _use_kernel(m: int, x, w) -> bool:
@@ -105,34 +135,44 @@ def _use_kernel(m: int, x, w) -> bool:
 
 
 @jax.custom_vjp
-def _kernel_product(x, w):
-    return dense_nk_kernel(x, w)
+def _kernel_products(x, ws):
+    return dense_nk_kernels(x, ws)
 
 
-def _kernel_fwd(x, w):
-    return dense_nk_kernel(x, w), (x, w)
+def _kernel_fwd(x, ws):
+    return dense_nk_kernels(x, ws), (x, ws)
 
 
-def _kernel_bwd(res, dy):
-    x, w = res
-    return dy @ w, dy.T @ x
+def _kernel_bwd(res, dys):
+    x, ws = res
+    dx = sum(dy @ w for dy, w in zip(dys, ws))
+    return dx, tuple(dy.T @ x for dy in dys)
 
 
-_kernel_product.defvjp(_kernel_fwd, _kernel_bwd)
+_kernel_products.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def dense_nk_kernel(x, w):
     """`x[M, K] @ w[N, K].T` through the C++ kernel (fp32, CPU); raises if it is not available."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"specjax_dense_nk: needs x [M, K] and w [N, K] with the same K; got x "
-                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"specjax_dense_nk: fp32 only; got x {x.dtype} and w {w.dtype} "
-                         "(cast them, or use dense(), which falls back to XLA's dot)")
+    return dense_nk_kernels(x, (w,))[0]
+
+
+def dense_nk_kernels(x, ws) -> tuple:
+    """`x[M, K] @ w[N_i, K].T` for each of 1..`MAX_PARTS` weights, one kernel call."""
+    ws = tuple(ws)
+    if not 1 <= len(ws) <= MAX_PARTS:
+        raise ValueError(f"specjax_dense_nk: takes 1 to {MAX_PARTS} weights; got {len(ws)}")
+    for w in ws:
+        if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"specjax_dense_nk: needs x [M, K] and w [N, K] with the same K; got x "
+                             f"{tuple(x.shape)} and w {tuple(w.shape)}")
+        if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+            raise ValueError(f"specjax_dense_nk: fp32 only; got x {x.dtype} and w {w.dtype} "
+                             "(cast them, or use dense(), which falls back to XLA's dot)")
     if not kernel_available():
         raise RuntimeError(f"specjax_dense_nk is not available: {kernel_status()}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x, w)
+    outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w in ws]
+    return tuple(jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")(x, *ws))
 
 
 # ---- building and registering the kernel -----------------------------------------------------------
@@ -175,18 +215,25 @@ def build(force: bool = False) -> pathlib.Path:
     Raises:
       RuntimeError: no C++ compiler, or it failed (its message included).
     """
+    return _compile(_SOURCE.read_bytes(), _cache_dir() / f"dense_nk-{_machine_tag()}.so", force=force)
+
+
+def _compile(source: bytes, out: pathlib.Path, *, force: bool = False, target: str = _SYMBOL) -> pathlib.Path:
+    """`source` (a version of dense_nk.cc) built into `out`, its handler exported as `target`."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
-    out = _cache_dir() / f"dense_nk-{_machine_tag()}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    rename = [] if target == _SYMBOL else [f"-D{_SYMBOL}={target}"]
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = pathlib.Path(tmp) / _SOURCE.name
+        src.write_bytes(source)
         tmp_out = pathlib.Path(tmp) / out.name
-        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-               str(_SOURCE), "-o", str(tmp_out)]
+        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *rename,
+               str(src), "-o", str(tmp_out)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 and march:  # a compiler without -march/-mcpu=native: the portable build
             cmd = [c for c in cmd if c not in march]
@@ -195,6 +242,29 @@ def build(force: bool = False) -> pathlib.Path:
             raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{res.stderr.strip()[-2000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders each install a complete library
     return out
+
+
+def register_variant(source: bytes, target: str) -> str:
+    """Builds another version of dense_nk.cc (e.g. an older commit's, for an interleaved A/B timing)
+    and registers it as FFI target `target`; `kernel_target(target)` then routes `dense` to it."""
+    tag = hashlib.sha256(source + _machine_tag().encode() + target.encode()).hexdigest()[:16]
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(str(_compile(source, _cache_dir() / f"{target}-{tag}.so", target=target)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return target
+
+
+@contextlib.contextmanager
+def kernel_target(target: str, multi: bool = False):
+    """Traces `dense` with the kernel registered as `target` (benchmarks only); `multi`: it takes
+    several weights per call (`dense_many`), else those become one call per weight."""
+    global _TARGET, _MULTI
+    old, _TARGET, _MULTI = (_TARGET, _MULTI), target, multi
+    try:
+        yield
+    finally:
+        _TARGET, _MULTI = old
 
 
 @functools.cache
@@ -206,7 +276,7 @@ def _register() -> bool:
         import ctypes
 
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _TARGET)), platform="cpu")
+        jax.ffi.register_ffi_target(_SYMBOL, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
         _STATUS["reason"] = f"{type(e).__name__}: {e}"
         _log.warning("specjax: the CPU dense kernel is unavailable, using XLA's dot (%s)", _STATUS["reason"])

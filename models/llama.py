@@ -126,11 +126,17 @@ class Attention(nnx.Module):
             self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), wd), axes=("kv_heads",), **kv)
 
     def _proj(self, x, name: str):
+        return self._projs(x, name)[0]
+
+    def _projs(self, x, *names: str) -> list:
+        """The projections `names` of x, biased: several are one kernel call (`linear.dense_many`)."""
         dt = self.config.compute_dtype
-        y = linear.dense(x, getattr(self, "w" + name)[...].astype(dt), self.config.weight_layout)
-        if self.config.qkv_bias and name != "o":
-            y = y + getattr(self, "b" + name)[...].astype(dt)[None, None, :]
-        return y
+        ws = [getattr(self, "w" + name)[...].astype(dt) for name in names]
+        ys = list(linear.dense_many(x, ws, self.config.weight_layout))
+        if self.config.qkv_bias:
+            ys = [y if name == "o" else y + getattr(self, "b" + name)[...].astype(dt)[None, None, :]
+                  for y, name in zip(ys, names)]
+        return ys
 
     def __call__(
         self,
@@ -143,9 +149,10 @@ class Attention(nnx.Module):
     ):
         c = self.config
         b, t, _ = x.shape
-        q_BTKGH = self._proj(x, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
-        k_BTKH = self._proj(x, "k").reshape(b, t, c.num_kv_heads, c.head_dim)
-        v_BTKH = self._proj(x, "v").reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k, v = self._projs(x, "q", "k", "v")
+        q_BTKGH = q.reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
+        k_BTKH = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v_BTKH = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         inv_freq = rope_inv_freq(c)
         q_BTKGH = rope(q_BTKGH, positions, inv_freq)
         k_BTKH = rope(k_BTKH, positions, inv_freq)
@@ -171,8 +178,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         dt = self.dtype
-        gate = linear.dense(x, self.w_gate[...].astype(dt), self.layout)
-        h = jax.nn.silu(gate) * linear.dense(x, self.w_up[...].astype(dt), self.layout)
+        gate, up = linear.dense_many(x, (self.w_gate[...].astype(dt), self.w_up[...].astype(dt)), self.layout)
+        h = jax.nn.silu(gate) * up
         h = sharding.constrain(h, ("batch", None, "ffn"))
         return linear.dense(h, self.w_down[...].astype(dt), self.layout)
 

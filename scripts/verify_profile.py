@@ -23,12 +23,18 @@ def main():
     p.add_argument("--matmuls", default=None, help="only these, e.g. q,down,lm_head")
     p.add_argument("--no-forward", action="store_true", help="per matmul only (e.g. 1.5B on a small machine)")
     p.add_argument("--no-matmuls", action="store_true", help="whole forward only")
+    p.add_argument("--forms", default=",".join(verify_profile.FORMS),
+                   help="per-matmul formulations: kn, nk-xla, nk, nk-kernel (the kernel at every M); the "
+                        "forward runs kn and nk, and nk-xla when listed")
+    p.add_argument("--baseline-kernel", default=None, metavar="REV",
+                   help="also time the kernel of this git revision (nk@REV), interleaved with the current one")
     p.add_argument("--json", default=None, help="write the records here")
     a = p.parse_args()
     verify_profile.main([m.strip() for m in a.models.split(",") if m.strip()],
                         windows=tuple(int(w) for w in a.windows.split(",")), repeats=a.repeats,
                         forward=not a.no_forward, matmuls=not a.no_matmuls,
-                        names=a.matmuls.split(",") if a.matmuls else None, json_path=a.json)
+                        names=a.matmuls.split(",") if a.matmuls else None, json_path=a.json,
+                        forms=tuple(a.forms.split(",")), baseline=a.baseline_kernel)
 
 
 if __name__ == "__main__":

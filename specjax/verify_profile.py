@@ -10,6 +10,9 @@ measures is how close each formulation of the model's products gets:
   kn      `x @ w`, w stored [K, N] (XLA's dot; what GPU/TPU use)
   nk-xla  `einsum("mk,nk->mn")`, w stored [N, K] (XLA's dot on the transposed layout)
   nk      `specjax.models.linear.dense` on [N, K]: the few-row CPU kernel where it is built
+  nk-kernel  the kernel itself at every M (one row included, where `dense` takes XLA's GEMV)
+  nk@REV  `dense` on [N, K] with the kernel source of git revision REV (`baseline=`), built and
+          registered beside the current one, so old and new kernels are timed interleaved
 
 Per matmul, each product is timed in a chain over distinct copies of its weight (~64 MB of them,
 twice a large L3), so the weights stream from memory as in a real forward rather than sitting in
@@ -85,20 +88,62 @@ def projections(config: model_config.ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _kernel(enabled: bool):
-    """Trace with the CPU kernel on or off (the XLA formulation of the same layout)."""
+def _kernel(enabled):
+    """Trace with the CPU kernel on or off (the XLA formulation of the same layout); a string: on,
+    through that FFI target (a baseline's kernel, `baseline_target`)."""
     old = linear.KERNEL_MAX_ROWS
-    linear.KERNEL_MAX_ROWS = old if enabled else 0
+    linear.KERNEL_MAX_ROWS = _MAX_ROWS.get(enabled, old) if enabled else 0
     try:
-        yield
+        if isinstance(enabled, str):
+            with linear.kernel_target(enabled, multi=_MULTI.get(enabled, False)):
+                yield
+        else:
+            yield
     finally:
         linear.KERNEL_MAX_ROWS = old
 
 
+_BASELINES: dict[str, str] = {}  # git revision -> the FFI target its kernel is registered as
+_MULTI: dict[str, bool] = {}  # FFI target -> whether it takes several weights per call
+_MAX_ROWS: dict[str, int] = {}  # FFI target -> the most rows its revision sent to it
+
+
+def baseline_target(rev: str) -> str:
+    """Builds models/dense_nk.cc as of git revision `rev` and registers it as its own FFI target,
+    used as that revision used it (one call per weight if it took one; up to its row limit)."""
+    import subprocess
+
+    if rev in _BASELINES:
+        return _BASELINES[rev]
+    root = linear._SOURCE.resolve().parent
+    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:models/dense_nk.cc"], capture_output=True,
+                         check=True).stdout
+    name = "specjax_dense_nk_" + "".join(c for c in rev if c.isalnum())
+    _BASELINES[rev] = target = linear.register_variant(src, name)
+    _MULTI[target] = b"RemainingArgs" in src
+    import re
+
+    lin = subprocess.run(["git", "-C", str(root), "show", f"{rev}:models/linear.py"], capture_output=True).stdout
+    rows = re.search(rb"^KERNEL_MAX_ROWS = (\d+)", lin, re.M)
+    if rows:  # that revision's routing: more rows went to XLA's dot
+        _MAX_ROWS[target] = int(rows.group(1))
+    return target
+
+
 def _chain(form: str):
     """A jitted chain of one product per weight copy, each depending on the last (as layers do)."""
-    product = {"kn": lambda x, w: x @ w, "nk-xla": lambda x, w: jnp.einsum("mk,nk->mn", x, w),
-               "nk": lambda x, w: linear.dense(x, w, "nk")}[form]
+    def routed(target):
+        def product(x, w):
+            with _kernel(target):
+                return linear.dense(x, w, "nk")
+        return product
+
+    if form.startswith("nk@"):
+        product = routed(_BASELINES[form.split("@", 1)[1]])
+    else:
+        product = {"kn": lambda x, w: x @ w, "nk-xla": lambda x, w: jnp.einsum("mk,nk->mn", x, w),
+                   "nk": lambda x, w: linear.dense(x, w, "nk"),
+                   "nk-kernel": lambda x, w: linear.dense_nk_kernel(x, w)}[form]
 
     def f(x, ws):
         acc = jnp.zeros((), x.dtype)
@@ -118,7 +163,7 @@ def _copies(k: int, n: int, min_bytes: float = 64e6, cap: int = 64) -> int:
 def matmul_profile(config, *, windows=WINDOWS, forms=FORMS, repeats: int = 15, names=None,
                    log=print) -> list[dict]:
     """Per product of `config`: ms per product at each M for each formulation (median and min)."""
-    forms = [f for f in forms if f != "nk" or linear.kernel_available()]
+    forms = [f for f in forms if not f.startswith("nk") or f == "nk-xla" or linear.kernel_available()]
     rows = []
     for name, (k, n) in projections(config).items():
         if names and name not in names:
@@ -212,9 +257,18 @@ def forward_profile(models: dict, *, windows=WINDOWS, repeats: int = 15, cache_l
 
 
 def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = True, matmuls: bool = True,
-            names=None, bw: float | None = None, peak: float | None = None, log=print) -> dict:
-    """Per-matmul and whole-forward costs of `preset`'s shapes (constant fp32 weights)."""
+            names=None, bw: float | None = None, peak: float | None = None, forms=FORMS,
+            baseline: str | None = None, log=print) -> dict:
+    """Per-matmul and whole-forward costs of `preset`'s shapes (constant fp32 weights).
+
+    `forms`: the per-matmul formulations (`FORMS`, "nk-kernel"); the forward always runs "kn", "nk"
+    and, when "nk-xla" is among `forms`, that. `baseline`: a git revision whose kernel is timed as
+    "nk@REV" beside them (per matmul and forward)."""
     windows = tuple(sorted(set(windows) | {1}))
+    forms = list(forms)
+    if baseline and linear.kernel_available():
+        baseline_target(baseline)
+        forms.append(f"nk@{baseline}")
     cfg = model_config.preset(preset, dtype="float32", param_dtype="float32")
     bw = bw or measure_bandwidth()
     peak = peak or measure_peak()
@@ -223,7 +277,7 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
     rec = dict(model=preset, windows=list(windows), bandwidth_gbs=bw / 1e9, peak_gflops=peak / 1e9,
                kernel=linear.kernel_status(), matmuls=[], forward=[])
     if matmuls:
-        rec["matmuls"] = matmul_profile(cfg, windows=windows, repeats=repeats, names=names, log=log)
+        rec["matmuls"] = matmul_profile(cfg, windows=windows, forms=forms, repeats=repeats, names=names, log=log)
         for r in rec["matmuls"]:
             r["mem_floor_ms"] = r["bytes"] / bw * 1e3
             r["flop_floor_ms"] = 2 * r["M"] * r["K"] * r["N"] / peak * 1e3
@@ -231,14 +285,17 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
         # "kn" without the kernel is the formulation before it (x @ w, the tied head an einsum)
         big = cfg.num_params * 4 > 2e9  # one layout at a time: two 1.5B fp32 copies may not fit
         variants = {"kn": ("kn", False), "nk-xla": ("nk", False), "nk": ("nk", True)}
-        if big:
+        if big or "nk-xla" not in forms:
             del variants["nk-xla"]
+        for f in forms:
+            if f.startswith("nk@"):
+                variants[f] = ("nk", _BASELINES[f[3:]])
         if not linear.kernel_available():
             variants = {"kn": ("kn", False)}
         groups = [[v] for v in variants] if big else [list(variants)]
         import psutil
 
-        need = cfg.num_params * 4 * (1.3 if big else 3.3)
+        need = cfg.num_params * 4 * (1.3 if big else 1.1 * len(variants))
         if psutil.virtual_memory().available < need:
             log(f"  forward skipped: {need / 2**30:.1f} GiB needed, "
                 f"{psutil.virtual_memory().available / 2**30:.1f} GiB available")
@@ -290,14 +347,14 @@ def markdown(rec: dict) -> str:
 
 
 def main(models, *, windows=WINDOWS, repeats: int = 15, forward: bool = True, matmuls: bool = True,
-         names=None, json_path: str | None = None) -> list[dict]:
+         names=None, json_path: str | None = None, forms=FORMS, baseline: str | None = None) -> list[dict]:
     import json
 
     bw, peak = measure_bandwidth(), measure_peak()
     recs = []
     for m in models:
         recs.append(profile(m, windows=windows, repeats=repeats, forward=forward, matmuls=matmuls,
-                            names=names, bw=bw, peak=peak))
+                            names=names, bw=bw, peak=peak, forms=forms, baseline=baseline))
         print(markdown(recs[-1]), flush=True)
     if json_path:
         with open(json_path, "w") as f:

@@ -33,11 +33,11 @@ def _close(a, b, k):
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 17), k=st.integers(1, 70), n=st.integers(1, 40), batch=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(m=st.integers(1, linear.KERNEL_MAX_ROWS + 2), k=st.integers(1, 70), n=st.integers(1, 40),
+       batch=st.booleans(), seed=st.integers(0, 2**16))
 def test_dense_equals_reference_in_every_layout(m, k, n, batch, seed):
-    """M = 1..17 rows (the kernel's row tiles and remainders, K not a multiple of 16): "kn", "nk"
-    (the kernel where built) and "nk" through XLA's dot all give `x @ w`."""
+    """M = 1..KERNEL_MAX_ROWS + 2 rows (the kernel's row tiles and remainders, K not a multiple of 16):
+    "kn", "nk" (the kernel where built) and "nk" through XLA's dot all give `x @ w`."""
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (m, k), jnp.float32)
     if batch and m > 1:  # leading dims [B, T] flatten into the kernel's M
@@ -80,6 +80,51 @@ def test_kernel_errors_are_clear():
         linear.dense(x, w, "kn")
     with pytest.raises(ValueError, match="weight_layout='kx'"):
         linear.dense(x, w, "kx")
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, linear.KERNEL_MAX_ROWS + 2), k=st.integers(1, 70),
+       ns=st.lists(st.integers(0, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_dense_many_is_each_product(m, k, ns, seed):
+    """`dense_many` (q/k/v and gate/up as one kernel call) gives, in every layout, each weight's
+    `dense` bit for bit (the same row tiles and sums), and `x @ w`; empty weights included."""
+    keys = jax.random.split(jax.random.key(seed), len(ns) + 1)
+    x = jax.random.normal(keys[0], (1, m, k), jnp.float32)
+    ws = [jax.random.normal(kw, (k, n), jnp.float32) for kw, n in zip(keys[1:], ns)]
+    for layout in linear.LAYOUTS:
+        stored = [linear.to_layout(w, layout) for w in ws]
+        many = jax.jit(linear.dense_many, static_argnums=2)(x, stored, layout)
+        one = [jax.jit(linear.dense, static_argnums=2)(x, w, layout) for w in stored]
+        assert len(many) == len(ws)
+        for a, b, w in zip(many, one, ws):
+            np.testing.assert_array_equal(a, b)
+            _close(a, _ref(x, w), k)
+
+
+@needs_kernel
+def test_dense_many_is_one_kernel_call():
+    """Three weights sharing x are one custom call where the kernel applies; more than MAX_PARTS, or
+    one row, fall back to a call (or XLA's dot) each."""
+    ws = [jnp.ones((n, 16), jnp.float32) for n in (8, 4, 4)]
+    lower = lambda x, ws: jax.jit(linear.dense_many, static_argnums=2).lower(x, ws, "nk").as_text()
+    assert lower(jnp.ones((1, 5, 16), jnp.float32), ws).count(f"custom_call @{linear._TARGET}(") == 1
+    assert linear._TARGET not in lower(jnp.ones((1, 1, 16), jnp.float32), ws)
+    many = ws * 2
+    assert lower(jnp.ones((5, 16), jnp.float32), many).count(f"custom_call @{linear._TARGET}(") == len(many)
+    with pytest.raises(ValueError, match="takes 1 to 4 weights; got 5"):
+        linear.dense_nk_kernels(jnp.ones((2, 16), jnp.float32), ws + ws[:2])
+    with pytest.raises(ValueError, match=r"do not contract \(K=16"):
+        linear.dense_many(jnp.ones((2, 16), jnp.float32), [ws[0], jnp.ones((4, 15), jnp.float32)], "nk")
+
+
+@needs_kernel
+def test_dense_many_gradient():
+    x = jax.random.normal(jax.random.key(1), (4, 24), jnp.float32)
+    ws = tuple(jax.random.normal(jax.random.key(i), (n, 24), jnp.float32) for i, n in enumerate((10, 3, 17)))
+    f = lambda x, ws: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in enumerate(linear.dense_many(x, ws, "nk")))
+    g = lambda x, ws: sum(jnp.sum(jnp.sin(x @ w.T) * (i + 1)) for i, w in enumerate(ws))
+    for a, b in zip(jax.tree.leaves(jax.grad(f, (0, 1))(x, ws)), jax.tree.leaves(jax.grad(g, (0, 1))(x, ws))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # sums of ~30 terms of size ~10
 
 
 @needs_kernel
