@@ -12,7 +12,7 @@ $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
-	-$(PY) -m specjax.models.linear  # builds the CPU verify kernel now (XLA's dot is used without it)
+	-$(PY) -W ignore::RuntimeWarning -m specjax.models.linear  # builds the CPU verify kernel now (XLA's dot is used without it)
 	touch $@
 
 # torch is pinned first so pip takes the local CPU build instead of a multi-GB CUDA one.

@@ -99,7 +99,13 @@ def running(server):
         yield url
     finally:
         uv.should_exit = True
-        th.join(timeout=30)
+        th.join(timeout=60)
+        engine = getattr(server, "engine", None)
+        if engine is not None and engine.thread.ident is not None:  # started
+            engine.thread.join(timeout=60)
+        # a server or engine thread left running would compute beside the tests that follow
+        assert not th.is_alive(), "the uvicorn thread did not stop within 60 s"
+        assert engine is None or not engine.thread.is_alive(), "the engine thread did not stop within 60 s"
 
 
 @pytest.fixture(scope="module")
