@@ -46,8 +46,13 @@ serve: $(VENV)/.base
 	$(VENV)/bin/specjax serve --model smollm2-135m --method auto --auto-methods ngram --slots 8 \
 	    --max-tokens 256 --port $(PORT) $(ARGS)
 
+# On a crash in native code (pytest itself dies) it prints the test that was running and every
+# thread's stack from tests/conftest.py's crash log.
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
-	$(PY) -m pytest -q --durations=25 -rs $(ARGS)
+	SPECJAX_CRASH_LOG=$(CURDIR)/.pytest-crash.log $(PY) -m pytest -q --durations=25 -rs $(ARGS) || { rc=$$?; \
+	    if grep -q "Fatal Python error" .pytest-crash.log 2>/dev/null; then \
+	        grep -v '^running ' .pytest-crash.log | grep -v 'site-packages/pluggy' | head -200; \
+	        echo "== pytest died while running: $$(grep '^running ' .pytest-crash.log | tail -1)"; fi; exit $$rc; }
 
 bench: $(VENV)/.test
 	$(VENV)/bin/specjax bench $(ARGS)

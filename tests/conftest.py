@@ -15,6 +15,28 @@ from specjax.models import loader  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# `make test` sets SPECJAX_CRASH_LOG: each test's id is appended as it starts and a fatal error (an
+# abort in native code) dumps every thread's stack there, so the make target can print which test
+# died and where, whatever scrolled past on the terminal.
+_CRASH_LOG = os.environ.pop("SPECJAX_CRASH_LOG", None)  # this process's alone, not its subprocesses'
+_crash_log = None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which this replaces
+def pytest_configure(config):
+    global _crash_log
+    if _CRASH_LOG:
+        import faulthandler
+
+        _crash_log = open(_CRASH_LOG, "a", buffering=1)  # append: faulthandler writes at the file's end
+        _crash_log.truncate(0)
+        faulthandler.enable(file=_crash_log, all_threads=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _crash_log is not None:
+        _crash_log.write(f"running {nodeid}\n")
+
 
 def unavailable(reason: str):
     """Skips a test whose model or oracle cannot be had here; in CI (CI=true) fails it instead."""
