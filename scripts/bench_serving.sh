@@ -3,8 +3,11 @@
 #  1. HTTP against the in-process scheduler: plain decoding at concurrency 1 (TTFT) and 16 (throughput);
 #  2. one server, speculation per request: "off" against "auto" at concurrency 1 and 16;
 #  3. the surge (light -> peak -> light) against the same server, off against auto.
-# Same slots and batch sizes everywhere: 16 slots, chunks at batch 1, 2, 4, 8 or 16.
-# Usage: scripts/bench_serving.sh [OUT_DIR] (JSON per stage there; needs a quiet machine: ~25 min here)
+# Same slots and batch sizes everywhere: 16 slots, chunks at batch 1, 2, 4, 8 or 16; the server's
+# caches sized as the in-process scheduler sizes its own (the longest prompt, 81 tokens with the chat
+# template, + 256): a server sized for 512-token prompts attends over 2.3x the cache at every step.
+# Usage: scripts/bench_serving.sh [OUT_DIR] [STAGES] (JSON per stage there; a quiet machine: ~25 min here).
+# STAGES: "inproc,http" (default) or one of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_serving}
@@ -15,15 +18,21 @@ PORT=${PORT:-8017}
 URL=http://127.0.0.1:$PORT
 COMMON=(--prompts-file "$OPS" --chat --max-new-tokens 256)
 STEP_COST=${STEP_COST:-1.5}
+MAX_PROMPT=${MAX_PROMPT:-81}
 
-echo "== in-process scheduler, plain ==" >&2
-$SJ loadbench "${COMMON[@]}" --per-task 4 --methods none --concurrency 1 --json "$OUT/inproc_c1.json"
-$SJ loadbench "${COMMON[@]}" --per-task 16 --methods none --concurrency 16 --batch-sizes 1,2,4,8 \
-    --json "$OUT/inproc_c16.json"
+STAGES=${2:-inproc,http}
+if [[ $STAGES == *inproc* ]]; then
+    echo "== in-process scheduler, plain ==" >&2
+    $SJ loadbench "${COMMON[@]}" --per-task 4 --methods none --concurrency 1 --json "$OUT/inproc_c1.json"
+    $SJ loadbench "${COMMON[@]}" --per-task 16 --methods none --concurrency 16 --batch-sizes 1,2,4,8 \
+        --json "$OUT/inproc_c16.json"
+fi
+[[ $STAGES == *http* ]] || exit 0
 
 echo "== server: auto over prompt lookup, step cost <= $STEP_COST ==" >&2
 $SJ serve --model smollm2-135m --method auto --auto-methods ngram --auto-max-step-cost "$STEP_COST" \
-    --slots 16 --batch-sizes 1,2,4,8 --max-tokens 256 --max-queue 256 --port "$PORT" &
+    --slots 16 --batch-sizes 1,2,4,8 --max-tokens 256 --max-prompt-tokens "$MAX_PROMPT" --max-queue 256 \
+    --port "$PORT" 2> "$OUT/server.log" &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
@@ -37,7 +46,7 @@ $SJ loadbench --url "$URL" "${COMMON[@]}" --per-task 4 --methods none,auto --con
     --json "$OUT/http_c1.json"
 $SJ loadbench --url "$URL" "${COMMON[@]}" --per-task 16 --methods none,auto --concurrency 16 \
     --json "$OUT/http_c16.json"
-$SJ loadbench --url "$URL" "${COMMON[@]}" --methods none,auto --surge 0.5:40,4:30,0.5:40 --concurrency 16 \
+$SJ loadbench --url "$URL" "${COMMON[@]}" --methods none,auto --surge 0.5:30,2:30,0.5:30 --concurrency 16 \
     --json "$OUT/http_surge.json"
 curl -sf "$URL/metrics" > "$OUT/metrics.txt" || true
 echo "results in $OUT" >&2
