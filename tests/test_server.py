@@ -1055,3 +1055,24 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
 
 if __name__ == "__main__":
     sys.exit(_serve_main(int(sys.argv[1])))
+
+
+@pytest.mark.parametrize("method, flags, options", [
+    ("none", [], ["none"]),
+    ("ngram", ["--k", "3"], ["none", "ngram:3"]),
+    ("auto", ["--auto-methods", "ngram", "--auto-max-step-cost", "1.5"], ["none", "ngram:2", "ngram:4", "ngram:8"]),
+])
+def test_serve_command_builds_its_server(monkeypatch, method, flags, options):
+    """`specjax serve --method M` builds the scheduler it names (without starting it): the options
+    `/v1/models` lists, and auto's latency bound reaches the controller."""
+    from specjax import cli
+
+    built = {}
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: tiny_engine()))
+    monkeypatch.setattr(srv, "run", lambda server, **kw: built.setdefault("server", server) and 0)
+    assert cli.main(["serve", "--model", MODEL, "--method", method, "--slots", "2", "--max-tokens", "8",
+                     "--max-prompt-tokens", "16", *flags]) == 0
+    sched = built["server"].sched
+    assert [o[0] if not o[1] else f"{o[0]}:{o[1]}" for o in sched.options] == options
+    if method == "auto":
+        assert sched.ccfg.max_step_cost == 1.5
