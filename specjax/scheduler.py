@@ -451,12 +451,25 @@ class Scheduler:
             self.controller = Controller(self.ccfg, self.cost)
 
     def warm(self) -> None:
-        """Runs every compiled loop once on placeholder rows, so that first-run costs (allocation,
-        caches) stay out of timed runs; "auto" does this while it calibrates."""
+        """Runs every compiled program once on placeholder rows, so that first-run costs (allocation,
+        caches: ~0.9 s for an insert program here) stay out of timed runs and first requests; "auto"
+        runs its loops while it calibrates."""
+        self._warm_inserts()
         if self.costs:
             return
         for size in self.sizes:
             self.calibrate(steps=1, repeats=1, size=size)
+
+    def _warm_inserts(self) -> None:
+        """Runs each compiled insert program once into slot 0 of the empty batch: a placeholder
+        request that is done at once (max_new_tokens 1) and adds nothing to the n-gram table."""
+        if any(r is not None for r in self.slots):
+            return
+        for p in sorted(key[1] for key in self._programs if isinstance(key, tuple) and key[0] == "insert"):
+            placeholder = Request(id=-1, ids=[0], max_new_tokens=1, contribute=False)
+            self.state, ps = self._programs[("insert", p)](self.engine.params, *self._insert_args(0, placeholder, p))
+            self.pstates = dict(zip(self.specs, ps))
+        jax.block_until_ready(self.state)
 
     def compile_buckets(self) -> None:
         """Compiles the insert program of every prompt bucket up to the scheduler's, so that no
@@ -565,14 +578,14 @@ class Scheduler:
         self._decode_chunk(plan, active, size)
         return True
 
-    def admit(self) -> None:
+    def admit(self, *, on_insert: Callable[[Request], None] | None = None) -> None:
         """Admits arrived requests into free slots: each gets its first token from its prefill.
-        `step` does this before its chunk; a server calls it first, to stream the first tokens
-        before the chunk runs."""
+        `step` does this before its chunk; a server calls it first, with `on_insert` called after
+        each request's prefill (or failure), to stream every first token as soon as it exists."""
         self.prepare()
         if self._t0 is None:
             self._t0 = self.clock()
-        self._admit()
+        self._admit(on_insert)
 
     def batch_size_for(self, active: Sequence[Request]) -> int:
         """The smallest batch size that holds every running row (they are packed at the front)."""
@@ -595,7 +608,7 @@ class Scheduler:
         self.controller.cost = self.costs.get(size or self.b, self.cost)
         return sharding.broadcast_from_0(self.controller.choose([r.id for r in active]))
 
-    def _admit(self) -> None:
+    def _admit(self, on_insert: Callable[[Request], None] | None = None) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None]
         while free:
             now = self.now()
@@ -610,9 +623,11 @@ class Scheduler:
                 if self.slots[free[0]] is req or any(x.is_deleted() for x in jax.tree.leaves(self.state)):
                     raise  # it failed after taking the slot or the donated batch: see reset_batch
                 self.fail(req, f"{type(e).__name__}: {e}")
-                continue
-            if req.status == "running":
-                free.pop(0)
+            else:
+                if req.status == "running":
+                    free.pop(0)
+            if on_insert is not None:
+                on_insert(req)
 
     def _insert(self, slot: int, req: Request, now: float) -> None:
         req.arrived_s = now if req.arrival is None else req.arrival
@@ -620,10 +635,10 @@ class Scheduler:
         prog = self._insert_program(p)
         self.state, ps = prog(self.engine.params, *self._insert_args(slot, req, p))
         self.pstates = dict(zip(self.specs, ps))
-        lengths, done = np.asarray(self.state.lengths), np.asarray(self.state.done)
+        lengths, done, tokens = (np.asarray(x) for x in (self.state.lengths, self.state.done, self.state.tokens))
         t = self.now()
         req.status, req.slot = "running", slot
-        req.tokens = [int(np.asarray(self.state.tokens[slot, len(req.ids)]))]
+        req.tokens = [int(tokens[slot, len(req.ids)])]
         req.emissions.append((t, 1))
         self._lengths[slot] = lengths[slot]
         self.slots[slot] = req

@@ -128,6 +128,23 @@ def test_cancel_frees_the_slot_and_leaves_the_others(eng, alone):
     assert out[1].tokens == full and out[2].tokens == alone[2]
 
 
+def test_admit_reports_each_insert_and_warm_leaves_an_empty_batch(eng, alone):
+    """A server streams each first token as its prefill ends (`admit(on_insert=)`); `warm` runs every
+    insert program once on a placeholder that leaves no running row and nothing in the n-gram table."""
+    s = serve(eng, SpecConfig(method="ngram", k=2), slots=3, prompts=PROMPTS[:4], budgets=BUDGETS[:4])
+    s.prepare()
+    table = np.asarray(s.state.table.keys).copy()
+    s.warm()
+    assert s.slots == [None] * 3 and bool(np.asarray(s.state.done).all())
+    np.testing.assert_array_equal(np.asarray(s.state.table.keys), table)
+    seen = []
+    s.admit(on_insert=lambda r: seen.append((r.id, r.status, list(r.tokens))))
+    assert [x[0] for x in seen] == [0, 1, 2]  # three free slots, one call per request, in order
+    assert all(status == "running" and len(toks) == 1 for _, status, toks in seen)
+    out = s.run()
+    assert [r.tokens for r in out] == alone[:4]
+
+
 def test_compiles_once_per_k(eng):
     serve(eng, "auto").run()
     before = eng.compile_count

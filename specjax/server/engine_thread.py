@@ -180,8 +180,7 @@ class EngineThread:
             self._expire()
             if s.live:
                 try:
-                    s.admit()
-                    self._publish()  # first tokens go out before the chunk runs
+                    s.admit(on_insert=lambda _: self._publish())  # each first token as soon as it exists
                     s.step()
                 except Exception as e:  # a device (or host) error inside a chunk
                     msg = f"engine error while decoding: {type(e).__name__}: {e}"
