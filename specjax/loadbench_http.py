@@ -118,8 +118,8 @@ async def run_level(base: str, model: str, prompts: Sequence, *, chat: bool, max
                 await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
             async with gate:
                 body = request_body(model, prompts[i], chat=chat, max_tokens=max_tokens, speculation=speculation)
-                rows[i] = dict(await one_request(client, url, body), index=i, task=prompts[i].task,
-                               start_s=time.perf_counter() - t0)
+                start = time.perf_counter() - t0  # when it was sent (taken before the await)
+                rows[i] = dict(await one_request(client, url, body), index=i, task=prompts[i].task, start_s=start)
 
         await asyncio.gather(*(send(i) for i in range(len(prompts))))
         wall = time.perf_counter() - t0
