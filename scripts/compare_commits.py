@@ -8,6 +8,7 @@ includes time to first token, compile excluded), tau, time to first token and co
 
 Usage:
   python scripts/compare_commits.py BASE [HEAD] [--rounds 2] [--per-task 1] [--max-new-tokens 128]
+                                    [--methods none,ngram,medusa,medusa-tree]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def worker(args) -> None:
     eng = Engine.load("smollm2-135m", heads="default")
     rows = []
     for p in prompts:
-        for m, kw in METHODS.items():
+        for m, kw in ((m, METHODS[m]) for m in args.methods.split(",")):
             r = eng.generate([p.text], chat=True, max_new_tokens=args.max_new_tokens, spec=SpecConfig(**kw))[0]
             tau = r.tau if hasattr(r, "tau") else r.extra["tau"]
             rows.append(dict(method=m, task=p.task, tokens=r.tokens, new=r.new_tokens, wall=r.wall_s,
@@ -61,8 +62,11 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared/data/specbench-dev.jsonl"))
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"some of {','.join(METHODS)}")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not args.methods or set(args.methods.split(",")) - set(METHODS):
+        ap.error(f"--methods {args.methods!r}: give some of {','.join(METHODS)}")
     if args.worker:
         return worker(args)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="specjax-compare-"))
@@ -80,6 +84,7 @@ def main() -> None:
                 print(f"round {rnd + 1}: {name}", file=sys.stderr, flush=True)
                 out = subprocess.run([sys.executable, __file__, name, "--worker", str(pkg), "--per-task",
                                       str(args.per_task), "--max-new-tokens", str(args.max_new_tokens),
+                                      "--methods", args.methods,
                                       "--prompts-file", args.prompts_file], check=True, capture_output=True,
                                      text=True, env=dict(os.environ, PYTHONPATH=str(pkg)))
                 results[name] += json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,7 +95,7 @@ def main() -> None:
     print("| method | commit | tok/s | tau | TTFT p50 | compile (max) | identical to base |")
     print("|---|---|---|---|---|---|---|")
     base_tokens = {}
-    for m in METHODS:
+    for m in args.methods.split(","):
         for name, rows in results.items():
             sel = [r for r in rows if r["method"] == m]
             if name == args.base:
