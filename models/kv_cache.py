@@ -20,19 +20,17 @@ from specjax.models.config import ModelConfig
 
 @struct.dataclass
 class KVCache(sharding.Logical):
-    """Per-layer key and value buffers, each `[B, K, S, H]` (K = kv heads): head-major, so attention's
-    products read each head's `[S, H]` block in place (a `[B, S, K, H]` buffer was transposed whole,
-    in every layer at every step, before its dot)."""
+    """Per-layer key and value buffers, each `[B, S, K, H]` (K = kv heads)."""
 
-    k: tuple[Float[Array, "B K S H"], ...]
-    v: tuple[Float[Array, "B K S H"], ...]
+    k: tuple[Float[Array, "B S K H"], ...]
+    v: tuple[Float[Array, "B S K H"], ...]
 
     def logical_axes(self):
-        return dict(k=("batch", "kv_heads", "seq", "head_dim"), v=("batch", "kv_heads", "seq", "head_dim"))
+        return dict(k=("batch", "seq", "kv_heads", "head_dim"), v=("batch", "seq", "kv_heads", "head_dim"))
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
-        shape = (batch, config.num_kv_heads, length, config.head_dim)
+        shape = (batch, length, config.num_kv_heads, config.head_dim)
         dtype = config.compute_dtype
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
@@ -42,7 +40,7 @@ class KVCache(sharding.Logical):
     @property
     def length(self) -> int:
         """Static number of slots S."""
-        return self.k[0].shape[2]
+        return self.k[0].shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -50,15 +48,15 @@ class KVCache(sharding.Logical):
 
 
 def write(
-    buf: Float[Array, "B K S H"], new: Float[Array, "B T K H"], start: Int[Array, "B"]
-) -> Float[Array, "B K S H"]:
+    buf: Float[Array, "B S K H"], new: Float[Array, "B T K H"], start: Int[Array, "B"]
+) -> Float[Array, "B S K H"]:
     """Writes `new` into slots `start[b] .. start[b]+T-1` of each row.
 
     Callers guarantee `start + T <= S` (the loop stops when the cache is full);
     `dynamic_update_slice` would otherwise clamp the offset.
     """
-    update = lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0))
-    return jax.vmap(update)(buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), start)
+    update = lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0, 0))
+    return jax.vmap(update)(buf, new.astype(buf.dtype), start)
 
 
 def attention_mask(

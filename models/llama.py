@@ -144,8 +144,8 @@ class Attention(nnx.Module):
         positions: Int[Array, "B T"],
         start: Int[Array, "B"],
         mask: Bool[Array, "B T S"],
-        k_buf: Float[Array, "B K S H"],
-        v_buf: Float[Array, "B K S H"],
+        k_buf: Float[Array, "B S K H"],
+        v_buf: Float[Array, "B S K H"],
     ):
         c = self.config
         b, t, _ = x.shape
@@ -156,14 +156,14 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(c)
         q_BTKGH = rope(q_BTKGH, positions, inv_freq)
         k_BTKH = rope(k_BTKH, positions, inv_freq)
-        kv_axes = ("batch", "kv_heads", "seq", "head_dim")
+        kv_axes = ("batch", "seq", "kv_heads", "head_dim")
         k_buf = sharding.constrain(kv_cache.write(k_buf, k_BTKH, start), kv_axes)
         v_buf = sharding.constrain(kv_cache.write(v_buf, v_BTKH, start), kv_axes)
-        scores = jnp.einsum("BTKGH,BKSH->BTKGS", q_BTKGH, k_buf.astype(q_BTKGH.dtype))
+        scores = jnp.einsum("BTKGH,BSKH->BTKGS", q_BTKGH, k_buf.astype(q_BTKGH.dtype))
         scores = scores.astype(jnp.float32) * c.head_dim**-0.5
         scores = jnp.where(mask[:, :, None, None, :], scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("BTKGS,BKSH->BTKGH", probs, v_buf.astype(x.dtype))
+        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v_buf.astype(x.dtype))
         return self._proj(out.reshape(b, t, -1), "o"), k_buf, v_buf
 
 

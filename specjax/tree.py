@@ -197,10 +197,10 @@ def compact(cache: KVCache, start: Int[Array, "B"], path: Int[Array, "B P"]) -> 
     Slots past the accepted depth receive junk that is never attended (beyond the length).
     """
     src = start[:, None] + path  # absolute source slots [B, P]
-    upd = lambda b, m, s: jax.lax.dynamic_update_slice(b, m, (0, s, 0))
+    upd = lambda b, m, s: jax.lax.dynamic_update_slice(b, m, (s, 0, 0))
 
     def move(buf):
-        moved = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [B, Kv, P, H]
+        moved = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)  # [B, P, Kv, H]
         return jax.vmap(upd)(buf, moved, start)
 
     return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))
