@@ -530,12 +530,8 @@ def cmd_serve(args) -> int:
         if not auto_methods & set(lookups):
             raise ValueError(f"--auto-methods must include {' or '.join(lookups)} (auto's cheapest option)")
         ccfg, named = loadbench.with_assets(engine, ControllerConfig(max_step_cost=args.auto_max_step_cost))
-    elif args.method == "none":
-        pass
-    elif registry.record(args.method).tuned is not None:
-        spec = tuned_spec(engine, args.method, args)
-    else:
-        spec = _spec(args)
+    elif args.method != "none":
+        spec = tuned_spec(engine, args.method, args) if registry.record(args.method).tuned is not None else _spec(args)
     sizes = None
     if args.batch_sizes:
         sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())

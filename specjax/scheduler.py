@@ -179,6 +179,12 @@ class Request:
         return telemetry.tau(len(self.tokens), self.target_forwards)
 
 
+def _placeholder_request() -> Request:
+    """A one-token request done at its insert that writes nothing to the n-gram table: the shapes an
+    insert program is compiled for, and what warm-up runs it on."""
+    return Request(id=-1, ids=[0], max_new_tokens=1, contribute=False)
+
+
 class Scheduler:
     """Serves many requests through one fixed-shape batch of `slots` rows.
 
@@ -466,8 +472,8 @@ class Scheduler:
         if any(r is not None for r in self.slots):
             return
         for p in sorted(key[1] for key in self._programs if isinstance(key, tuple) and key[0] == "insert"):
-            placeholder = Request(id=-1, ids=[0], max_new_tokens=1, contribute=False)
-            self.state, ps = self._programs[("insert", p)](self.engine.params, *self._insert_args(0, placeholder, p))
+            args = self._insert_args(0, _placeholder_request(), p)
+            self.state, ps = self._programs[("insert", p)](self.engine.params, *args)
             self.pstates = dict(zip(self.specs, ps))
         jax.block_until_ready(self.state)
 
@@ -491,7 +497,7 @@ class Scheduler:
 
     def _insert_program(self, p: int):
         if ("insert", p) not in self._programs:
-            args = self._insert_args(0, Request(id=-1, ids=[0], max_new_tokens=1), p)
+            args = self._insert_args(0, _placeholder_request(), p)
             # the row's prefill needs no n-gram table of its own: the batch's is kept by the insert
             statics = dict(self._statics, base=dataclasses.replace(self._statics["base"], ngram_table=None))
             self._programs[("insert", p)] = self._compile(_insert, *args, **statics)

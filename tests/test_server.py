@@ -1053,10 +1053,6 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
             proc.wait(10)
 
 
-if __name__ == "__main__":
-    sys.exit(_serve_main(int(sys.argv[1])))
-
-
 @pytest.mark.parametrize("method, flags, options", [
     ("none", [], ["none"]),
     ("ngram", ["--k", "3"], ["none", "ngram:3"]),
@@ -1076,3 +1072,7 @@ def test_serve_command_builds_its_server(monkeypatch, method, flags, options):
     assert [o[0] if not o[1] else f"{o[0]}:{o[1]}" for o in sched.options] == options
     if method == "auto":
         assert sched.ccfg.max_step_cost == 1.5
+
+
+if __name__ == "__main__":
+    sys.exit(_serve_main(int(sys.argv[1])))
