@@ -10,6 +10,37 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+
+def _session_compile_cache() -> str | None:
+    """JAX's persistent compilation cache for this test process. `_release_compiled_programs` drops
+    the in-memory programs after each module; a later module that needs the same program (the same
+    tiny model's prefill, loop and step, the same real-model programs) then loads it from disk instead
+    of compiling it again. A fresh directory per session, removed at exit, so a run never loads what
+    another commit compiled; SPECJAX_TEST_COMPILE_CACHE=DIR keeps one across sessions, =0 turns it off.
+    Returns the root; this process uses `<root>/main`. Processes the tests start do not share that
+    directory (JAX writes entries non-atomically, and two processes compiling one program at once
+    could read a partial file): the notebooks' kernels, one at a time, use `<root>/notebooks`; the
+    8-device and multi-process tests compile on their own."""
+    import atexit
+    import shutil
+    import tempfile
+
+    where = os.environ.get("SPECJAX_TEST_COMPILE_CACHE", "")
+    if where.strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if not where:
+        where = tempfile.mkdtemp(prefix="specjax-test-jit-")
+        atexit.register(shutil.rmtree, where, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(where, "main"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return where
+
+
+COMPILE_CACHE = _session_compile_cache()
+# Events of a program obtained for this process: compiled by XLA, or loaded from the cache above.
+PROGRAM_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
 from specjax.models import config as model_config  # noqa: E402
 from specjax.models import loader  # noqa: E402
 

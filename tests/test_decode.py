@@ -12,7 +12,7 @@ from scipy import stats
 from specjax import sampling
 from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Sample, SamplingParams
 from specjax.state import DecodeState
 from specjax.state import commit as _commit
 
@@ -30,11 +30,14 @@ PROMPTS = {  # token-id prompts of different lengths, all in bucket 8
 
 @pytest.fixture(scope="module")
 def compiles():
-    """Counts XLA backend compiles, independently of `Engine.compile_count`."""
+    """Counts programs XLA compiles or the session's persistent cache loads (conftest), independently
+    of `Engine.compile_count`."""
+    from conftest import PROGRAM_EVENTS
+
     events = []
 
     def listen(event, _secs, **_):
-        if event.endswith("backend_compile_duration"):
+        if event in PROGRAM_EVENTS:
             events.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -297,7 +300,7 @@ def _expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     return out / out.sum()
 
 
-_sample = jax.jit(sampling.sample, static_argnums=0)
+_sample = jax.jit(lambda method, keys, logits, params: method.draw(keys, logits, params), static_argnums=0)
 LOGITS = np.array([0.3, 2.0, -1.0, 1.2, 0.0, 1.5, -0.5, 0.8], np.float32)
 CASES = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),
@@ -328,7 +331,7 @@ def test_sample_distribution_chi_square():
     params = _params(CASES, n)
     logits = jnp.tile(jnp.asarray(LOGITS), (n * len(CASES), 1))
     keys = jax.random.split(jax.random.key(1234), n * len(CASES))
-    draws = np.asarray(_sample(SamplingConfig(method="sample"), keys, logits, params))
+    draws = np.asarray(_sample(Sample(), keys, logits, params))
     for i, case in enumerate(CASES):
         expected = _expected_probs(LOGITS.astype(np.float64), *case)
         counts = np.bincount(draws[i * n: (i + 1) * n], minlength=len(LOGITS))
@@ -343,7 +346,7 @@ def test_sample_temperature_zero_row_is_argmax():
     logits = jax.random.normal(jax.random.key(0), (64, 8))
     params = SamplingParams(temperature=jnp.asarray([0.0, 1.0] * 32), top_k=jnp.zeros((64,), jnp.int32),
                             top_p=jnp.ones((64,)))
-    draws = np.asarray(_sample(SamplingConfig(method="sample"), jax.random.split(jax.random.key(1), 64),
+    draws = np.asarray(_sample(Sample(), jax.random.split(jax.random.key(1), 64),
                                logits, params))
     argmax = np.asarray(jnp.argmax(logits, -1))
     np.testing.assert_array_equal(draws[::2], argmax[::2])

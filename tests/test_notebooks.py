@@ -7,7 +7,7 @@ import pathlib
 import re
 
 import pytest
-from conftest import need_module
+from conftest import COMPILE_CACHE, need_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -20,7 +20,11 @@ def test_there_are_the_four_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom(path, tmp_path):
+def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    if COMPILE_CACHE:  # the kernels, one after another, load the programs an earlier notebook compiled
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(COMPILE_CACHE) / "notebooks"))
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     nbformat = need_module("nbformat")
     nbclient = need_module("nbclient")
     nb = nbformat.read(path, as_version=4)
