@@ -1,11 +1,12 @@
 """specjax: speculative decoding in JAX.
 
 The functional core is `Decoder` (static: proposer, acceptance rule, sampling method, cache length)
-with pure `prefill`, `decode`, `insert` and `step`; `Inputs` holds the per-row arrays; `generate`
-jits and runs them. `Engine` and `Scheduler` are hosts over the same primitives.
+with pure `prefill`, `decode`, `insert` and `step`; the sampling method is `sampling.Greedy()` or
+`sampling.Sample()` (the top-level `Greedy` is the exact-match acceptance rule); `Inputs` holds the
+per-row arrays; `generate` jits and runs them. `Engine` and `Scheduler` are hosts over the same primitives.
 """
 
-from specjax import acceptance
+from specjax import acceptance, sampling
 from specjax.acceptance import Greedy, SpecInfer, Speculative, TypicalAcceptance
 from specjax.config import SpecConfig
 from specjax.decoder import Decoder, Inputs, State, Stats, cache_length, generate, new_tokens
@@ -17,7 +18,7 @@ from specjax.telemetry import SpecCounters
 
 __all__ = [
     "Decoder", "Inputs", "State", "Stats", "cache_length", "generate", "new_tokens",
-    "acceptance", "Greedy", "SpecInfer", "Speculative", "TypicalAcceptance",
+    "acceptance", "sampling", "Greedy", "SpecInfer", "Speculative", "TypicalAcceptance",
     "SpecConfig", "Engine", "GenerateOptions", "Result", "Scheduler", "SpecCounters",
     "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams", "EagleProposer", "EagleParams",
 ]

@@ -30,7 +30,7 @@ from flax import struct
 from jaxtyping import Array, Float, Int
 
 from specjax import sampling
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Sampling, SamplingParams
 from specjax import tree
 from specjax.tree import Topology
 
@@ -126,16 +126,6 @@ def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepte
     return Accepted(n=n, path=path, next=jnp.take_along_axis(x, leaf[:, None], axis=1)[:, 0])
 
 
-def _draws(config: SamplingConfig, keys: Array, logits: Float[Array, "B W V"],
-           params: SamplingParams) -> Int[Array, "B W"]:
-    """The target's token at every slot: argmax, or an independent draw per slot."""
-    if config.method == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    slot_keys = jax.vmap(lambda k: jax.random.split(k, logits.shape[1]))(keys)  # [B, W]
-    draw = lambda k, lg: sampling.sample(config, k, lg, params)
-    return jax.vmap(draw, in_axes=(1, 1), out_axes=1)(slot_keys, logits)
-
-
 def _chain_path(n: Array, topo: Topology) -> Array:
     return jnp.broadcast_to(jnp.arange(topo.max_depth + 1, dtype=jnp.int32), (n.shape[0], topo.max_depth + 1))
 
@@ -160,7 +150,7 @@ class SpecInfer:
     needs_chain: ClassVar[bool] = False
 
     def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
-        x = _draws(config, keys, logits, params)  # draws at all slots up front; the walk uses some
+        x = config.draws(keys, logits, params)  # draws at all slots up front; the walk uses some
         return walk(nodes == tree.at_parents(x, topo), x, topo)
 
 
@@ -176,7 +166,7 @@ class Speculative:
         return jnp.maximum(p - q, 0.0)
 
     def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
-        if config.method == "greedy":
+        if config.greedy:
             n, nxt = greedy(nodes, logits)
         else:
             rule = None if type(self).residual is Speculative.residual else self.residual
@@ -201,7 +191,7 @@ class TypicalAcceptance:
                              "and 0 < delta < 1")
 
     def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
-        if config.method == "greedy":
+        if config.greedy:
             return Greedy().accept(config, keys, nodes, q, logits, params, topo)
         p = sampling.probs(logits, params)  # [B, W, V]
         p_par = tree.at_parents(p, topo)  # [B, N, V]
@@ -210,7 +200,7 @@ class TypicalAcceptance:
         ok = p_x > jnp.minimum(self.epsilon, self.delta * jnp.exp(-ent))
         acc = walk(ok, jnp.zeros(logits.shape[:2], jnp.int32), topo)
         at_leaf = jnp.take_along_axis(logits, acc.leaf[:, None, None], axis=1)[:, 0]
-        nxt = sampling.sample(config, jax.vmap(lambda k: jax.random.fold_in(k, 7))(keys), at_leaf, params)
+        nxt = config.draw(jax.vmap(lambda k: jax.random.fold_in(k, 7))(keys), at_leaf, params)
         return acc.replace(next=nxt)
 
 
@@ -218,8 +208,8 @@ Rule = Greedy | SpecInfer | Speculative | TypicalAcceptance
 RULES = {"greedy": Greedy, "specinfer": SpecInfer, "speculative": Speculative, "typical": TypicalAcceptance}
 
 
-def default_rule(config: SamplingConfig, topo: Topology):
+def default_rule(config: Sampling, topo: Topology):
     """Greedy decoding: exact match. Sampling: Leviathan's rule on a chain, SpecInfer on a tree."""
-    if config.method == "greedy":
+    if config.greedy:
         return Greedy()
     return Speculative() if topo.is_chain else SpecInfer()

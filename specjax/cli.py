@@ -319,7 +319,7 @@ def _generate_auto(args, opts, prompts) -> int:
                               f"{engine.tokenizer.decode(a.tokens, skip_special=True)}", flush=True)
                 log(f"[timing auto and plain in turns on the same prompts, {repeats} run"
                     f"{'s' if repeats > 1 else ''} each ...]")
-    greedy = opts.sampling.method == "greedy"
+    greedy = opts.sampling.greedy
 
     def report(label: str, idx: list[int]) -> compare.Report:
         pair = lambda arm, rep: (sum(runs[arm][rep][i].latency_s for i in idx),

@@ -48,7 +48,7 @@ from specjax.tree import chain
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Sampling, SamplingParams
 from specjax.state import DecodeState, commit, commit_path, insert_row, last_tokens, step_keys
 
 MAX_STOP_IDS = 8
@@ -247,8 +247,8 @@ class Decoder:
       proposer: a draft proposer (`specjax.proposers`), or None for the plain loop.
       acceptance: the acceptance rule (`specjax.acceptance`); None picks the lossless default for
         the sampling method and the window's shape (`acceptance.default_rule`).
-      sampling: "greedy" (argmax) or "sample" (per-row temperature / top-k / top-p; rows at
-        temperature 0 stay greedy), or a `SamplingConfig`.
+      sampling: `sampling.Greedy()` (argmax) or `sampling.Sample()` (per-row temperature / top-k /
+        top-p; rows at temperature 0 stay greedy), or their names "greedy" / "sample".
       ngram_table: a cross-request n-gram table in the state (`specjax.ngram_table`): every
         commit writes to it and prompt lookup reads it when a row's own context has no match.
     """
@@ -256,12 +256,11 @@ class Decoder:
     cache_length: int
     proposer: Any = None
     acceptance: Any = None
-    sampling: SamplingConfig | str = SamplingConfig()
+    sampling: Sampling | str = sampling.Greedy()
     ngram_table: TableConfig | None = None
 
     def __post_init__(self):
-        if isinstance(self.sampling, str):
-            object.__setattr__(self, "sampling", SamplingConfig(method=self.sampling))
+        object.__setattr__(self, "sampling", sampling.method(self.sampling))
         if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
             raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
                              f"({self.window}); see specjax.decoder.cache_length")
@@ -322,7 +321,7 @@ class Decoder:
             keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32),
             table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table),
             contribute=inputs.contribute, tenant=inputs.tenant)
-        first = sampling.sample(self.sampling, step_keys(state), logits, inputs.sampling)
+        first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
         state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
         return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
 
@@ -371,12 +370,12 @@ class Decoder:
         return jax.lax.while_loop(cond, body, sharding.constrain_carry(state))
 
 
-def plain_step(model: Llama, sampling_config: SamplingConfig, state: DecodeState) -> DecodeState:
+def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> DecodeState:
     """The plain loop's step, the oracle of every speculative path: feed the pending token, sample
     the next one, commit it."""
     pos = state.lengths - 1
     out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
-    nxt = sampling.sample(sampling_config, step_keys(state), out.logits[:, 0], state.sampling)
+    nxt = sampling_config.draw(step_keys(state), out.logits[:, 0], state.sampling)
     state = state.replace(cache=out.cache, forwards=state.forwards + 1,
                           row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
     return commit(state, nxt[:, None], jnp.ones_like(pos), window=1)[0]

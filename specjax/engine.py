@@ -29,7 +29,7 @@ from specjax.config import SpecConfig
 from specjax.decoder import MAX_STOP_IDS, Decoder, Inputs, State
 from specjax.proposers import registry
 from specjax.proposers.medusa import LoadedHeads
-from specjax.sampling import SamplingConfig
+from specjax.sampling import Sampling
 from specjax.tree import HEADS_TREE, validate_tree
 from specjax.telemetry import SpecCounters
 
@@ -92,9 +92,9 @@ class GenerateOptions:
             raise ValueError(f"{len(self.stop_ids)} stop tokens: at most {MAX_STOP_IDS} are supported")
 
     @property
-    def sampling(self) -> SamplingConfig:
-        """The static sampling method: "sample" when any row has temperature > 0."""
-        return SamplingConfig(method="sample" if max(_values(self.temperature)) > 0 else "greedy")
+    def sampling(self) -> Sampling:
+        """The static sampling method: `Sample()` when any row has temperature > 0, else `Greedy()`."""
+        return sampling.Sample() if max(_values(self.temperature)) > 0 else sampling.Greedy()
 
 
 @dataclasses.dataclass
@@ -107,7 +107,7 @@ class Result:
     ttft_s: float
     wall_s: float  # generation time, compile excluded
     compile_s: float
-    stop_reason: str  # "stop_token" | "max_new_tokens" | "cache_full"
+    stop_reason: telemetry.StopReason  # a StrEnum: compares and serialises as "stop_token" | "max_new_tokens" | "cache_full"
     method: str = "none"
     k: int = 0  # the most drafts a step can accept: the chain length, or the tree's depth
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
@@ -308,7 +308,7 @@ class Engine:
         """The static proposer and its params for `spec` ((None, None) for plain decoding)."""
         return registry.build(spec, self.assets)
 
-    def decoder(self, spec: SpecConfig, *, sampling: SamplingConfig | str = "greedy",
+    def decoder(self, spec: SpecConfig, *, sampling: Sampling | str = "greedy",
                 cache_length: int | None = None, prompt_bucket: int | None = None,
                 max_new_tokens: int | None = None, headroom: int = 0):
         """The `Decoder` for `spec` and its proposer params.
@@ -403,7 +403,7 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------------
     def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,
               chat: bool = False, batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
-              sampling_config: SamplingConfig | None = None, row_offset: int = 0,
+              sampling_config: Sampling | None = None, row_offset: int = 0,
               cache_length: int | None = None) -> "Batch":
         """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
 

@@ -107,7 +107,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
     text may be token ids). Returns per-request rows and per-run rows."""
     from tqdm import tqdm
 
-    from specjax.scheduler import Scheduler, poisson_arrivals
+    from specjax.scheduler import Scheduler, Status, poisson_arrivals
 
     specs = specs or {}
     longest = max(len(x) for x in engine.check([p.text for p in prompts], opts, chat=chat))
@@ -138,7 +138,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                     done = [0]
 
                     def tick(s, done=done):
-                        n = sum(r.status == "finished" for r in s.requests)
+                        n = sum(r.status is Status.FINISHED for r in s.requests)
                         bar.update(n - done[0])
                         done[0] = n
 

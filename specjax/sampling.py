@@ -9,7 +9,7 @@ top-k/top-p: both sides sample from the same transformed distributions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +21,63 @@ from specjax import sharding
 NEG_INF = -1e30
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """Static sampling choice. `greedy` is argmax; `sample` draws from the filtered softmax."""
+class Sampling:
+    """The static sampling method, a frozen object like the acceptance rules: `Greedy()` takes the
+    argmax; `Sample()` draws from each row's filtered softmax (temperature / top-k / top-p; rows at
+    temperature 0 stay argmax). It shapes the program, so it is a static (hashable) jit argument; the
+    per-row values are `SamplingParams` arrays. `method("greedy" | "sample")` is the one place a name
+    becomes a method (CLI, JSON, `Decoder(sampling="sample")`)."""
 
-    method: Literal["greedy", "sample"] = "greedy"
+    greedy: ClassVar[bool]
+    name: ClassVar[str]
 
-    def __post_init__(self):
-        if self.method not in ("greedy", "sample"):
-            raise ValueError(f"sampling method {self.method!r}: use 'greedy' or 'sample'")
+    def draw(self, keys: Array, logits: Float[Array, "B V"], params: SamplingParams | None) -> Int[Array, "B"]:
+        """One token per row; `keys` is a [B] array of PRNG keys (each row its own stream)."""
+        raise NotImplementedError
+
+    def draws(self, keys: Array, logits: Float[Array, "B W V"], params: SamplingParams | None) -> Int[Array, "B W"]:
+        """One token at every slot of a window, each slot drawn independently of the others."""
+        slot_keys = jax.vmap(lambda k: jax.random.split(k, logits.shape[1]))(keys)  # [B, W]
+        return jax.vmap(lambda k, lg: self.draw(k, lg, params), in_axes=(1, 1), out_axes=1)(slot_keys, logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy(Sampling):
+    """Argmax: every row decodes greedily, whatever its temperature."""
+
+    greedy: ClassVar[bool] = True
+    name: ClassVar[str] = "greedy"
+
+    def draw(self, keys, logits, params=None):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draws(self, keys, logits, params=None):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample(Sampling):
+    """A draw from the filtered softmax per row; rows at temperature 0 take the argmax."""
+
+    greedy: ClassVar[bool] = False
+    name: ClassVar[str] = "sample"
+
+    def draw(self, keys, logits, params):
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params)).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+METHODS: dict[str, type[Sampling]] = {m.name: m for m in (Greedy, Sample)}
+
+
+def method(x: Sampling | str) -> Sampling:
+    """`Greedy()` or `Sample()` from itself or its name."""
+    if isinstance(x, Sampling):
+        return x
+    if x not in METHODS:
+        raise ValueError(f"sampling method {x!r}: use {' or '.join(map(repr, METHODS))} "
+                         f"(or specjax.sampling.Greedy() / Sample())")
+    return METHODS[x]()
 
 
 @struct.dataclass
@@ -97,18 +145,3 @@ def probs(logits: Float[Array, "B *T V"], params: SamplingParams) -> Float[Array
     hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
     greedy = _expand(params.temperature, logits.ndim) <= 0
     return jnp.where(greedy, hard, soft)
-
-
-def sample(
-    config: SamplingConfig,
-    keys: Array,
-    logits: Float[Array, "B V"],
-    params: SamplingParams | None,
-) -> Int[Array, "B"]:
-    """One token per row. `keys` is a [B] array of PRNG keys (each row its own stream)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if config.method == "greedy":
-        return greedy
-    filt = filtered_logits(logits, params)
-    drawn = jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, drawn, greedy)

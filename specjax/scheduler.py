@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 import statistics
 import time
@@ -56,7 +57,7 @@ from specjax.state import DecodeState, insert_row, rows_map
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers import registry
 from specjax.proposers.ngram import HostLookup, replay
-from specjax.telemetry import SpecCounters
+from specjax.telemetry import SpecCounters, StopReason
 
 _STATICS = ("graphdef", "base", "decoders")
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
@@ -122,6 +123,16 @@ def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
+class Status(enum.StrEnum):
+    """Where a request is: queued, then running in a slot, then finished, cancelled or failed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request and, once run, what it got and when (times in seconds from the run's start)."""
@@ -141,14 +152,14 @@ class Request:
     tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
     stream: int | None = None  # its random stream's row index (None: its id)
     stop_ids: tuple[int, ...] = ()  # its stop tokens
-    status: str = "queued"  # queued | running | finished | cancelled | failed
+    status: Status = Status.QUEUED
     error: str | None = None  # why it failed
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     arrived_s: float | None = None
     emissions: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, tokens)
     finished_s: float | None = None
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     target_forwards: int = 0
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
@@ -324,7 +335,7 @@ class Scheduler:
         sp = dict(temperature=o.temperature if temperature is None else temperature,
                   top_k=o.top_k if top_k is None else top_k, top_p=o.top_p if top_p is None else top_p)
         (ids,) = self.engine.check([prompt], dataclasses.replace(o, **sp), chat=self.chat)
-        if sp["temperature"] > 0 and self.sc.method == "greedy":
+        if sp["temperature"] > 0 and self.sc.greedy:
             raise ValueError(f"temperature={sp['temperature']} in a greedy scheduler: create it with "
                              "GenerateOptions(temperature > 0) to compile the sampled programs")
         if self.state is not None and self.engine.bucket_for(len(ids)) > self.bucket:
@@ -359,9 +370,9 @@ class Scheduler:
         req = self.live.get(rid)
         if req is None:  # finished, failed, cancelled or unknown
             return
-        if req.status == "queued":
+        if req.status is Status.QUEUED:
             self.queue.remove(req)
-        elif req.status == "running":
+        elif req.status is Status.RUNNING:
             self.state = self._programs["release"](self.engine.params, self.state, np.int32(req.slot))
             self.slots[req.slot] = None
             if self.controller:
@@ -369,12 +380,12 @@ class Scheduler:
             self._pack()
         else:
             return
-        req.status, req.finished_s, req.stop_reason = "cancelled", self.now(), "cancelled"
+        req.status, req.finished_s, req.stop_reason = Status.CANCELLED, self.now(), StopReason.CANCELLED
         self.live.pop(req.id, None)
 
     def fail(self, req: Request, error: str) -> None:
         """Ends one request with an error (its slot, if it had one, is already free)."""
-        req.status, req.finished_s, req.stop_reason, req.error = "failed", self.now(), "error", error
+        req.status, req.finished_s, req.stop_reason, req.error = Status.FAILED, self.now(), StopReason.ERROR, error
         self.live.pop(req.id, None)
         self._lookups.pop(req.id, None)
         if self.controller is not None:
@@ -630,7 +641,7 @@ class Scheduler:
                     raise  # it failed after taking the slot or the donated batch: see reset_batch
                 self.fail(req, f"{type(e).__name__}: {e}")
             else:
-                if req.status == "running":
+                if req.status is Status.RUNNING:
                     free.pop(0)
             if on_insert is not None:
                 on_insert(req)
@@ -643,7 +654,7 @@ class Scheduler:
         self.pstates = dict(zip(self.specs, ps))
         lengths, done, tokens = (np.asarray(x) for x in (self.state.lengths, self.state.done, self.state.tokens))
         t = self.now()
-        req.status, req.slot = "running", slot
+        req.status, req.slot = Status.RUNNING, slot
         req.tokens = [int(tokens[slot, len(req.ids)])]
         req.emissions.append((t, 1))
         self._lengths[slot] = lengths[slot]
@@ -725,7 +736,7 @@ class Scheduler:
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)
         req.stop_reason = telemetry.stop_reason(req.tokens, stops, req.max_new_tokens)
-        req.status, req.finished_s, req.target_forwards = "finished", t, forwards
+        req.status, req.finished_s, req.target_forwards = Status.FINISHED, t, forwards
         self.slots[req.slot] = None
         self.live.pop(req.id, None)
         if self.controller is not None:

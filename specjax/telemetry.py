@@ -21,6 +21,7 @@ here, once.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pathlib
 from typing import Iterable, Sequence
@@ -103,13 +104,23 @@ def tau(new_tokens: int, target_forwards: int) -> float:
     return (new_tokens - 1) / target_forwards if target_forwards else 1.0
 
 
-def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int) -> str:
-    """Why a finished row stopped: "stop_token", "max_new_tokens" or "cache_full"."""
+class StopReason(enum.StrEnum):
+    """Why a row or request ended. A `StrEnum`: it equals, prints and serialises as its value."""
+
+    STOP_TOKEN = "stop_token"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    CACHE_FULL = "cache_full"
+    CANCELLED = "cancelled"  # a scheduler request cancelled by its client
+    ERROR = "error"  # a scheduler request that failed
+
+
+def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int) -> StopReason:
+    """Why a finished row stopped: at a stop token, at its budget, or with its cache full."""
     if tokens and tokens[-1] in set(int(t) for t in stop_ids if t >= 0):
-        return "stop_token"
+        return StopReason.STOP_TOKEN
     if len(tokens) >= max_new_tokens:
-        return "max_new_tokens"
-    return "cache_full"
+        return StopReason.MAX_NEW_TOKENS
+    return StopReason.CACHE_FULL
 
 
 def aggregate(counters: Iterable[SpecCounters]) -> SpecCounters:

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from specjax import acceptance, sampling
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Greedy, Sample, SamplingParams
 from specjax.tree import chain_topology
 
 N = 20_000  # rows (independent keys) for the distribution checks
@@ -85,7 +85,7 @@ def test_greedy_all_first_and_middle_rejection():
     n, nxt = acceptance.greedy(draft, jnp.asarray(logits))
     assert n.tolist() == [4, 0, 2]
     assert nxt.tolist() == [5, 3, 4]
-    n2, nxt2 = accept(SamplingConfig(method="greedy"), _keys(3), draft, None, jnp.asarray(logits),
+    n2, nxt2 = accept(Greedy(), _keys(3), draft, None, jnp.asarray(logits),
                                  SamplingParams.create(3, 1.0))
     assert n2.tolist() == n.tolist() and nxt2.tolist() == nxt.tolist()  # greedy config ignores temperature
 
@@ -162,7 +162,7 @@ def test_temperature_zero_rows_in_a_sampled_batch_are_greedy(with_q):
         soft = jax.nn.softmax(jax.random.normal(jax.random.key(8), (4, k, V)), -1)
         q = jnp.where(temperature[:, None, None] > 0, soft, jax.nn.one_hot(draft, V))
         q = jnp.tile(q, (reps, 1, 1))
-    n, nxt = accept(SamplingConfig(method="sample"), _keys(N, 9), jnp.tile(jnp.asarray(draft), (reps, 1)), q,
+    n, nxt = accept(Sample(), _keys(N, 9), jnp.tile(jnp.asarray(draft), (reps, 1)), q,
                     jnp.tile(logits, (reps, 1, 1)), params)
     n, nxt = np.asarray(n).reshape(reps, 4), np.asarray(nxt).reshape(reps, 4)
     assert (n[:, 0] == k).all() and (nxt[:, 0] == target[0, k]).all()

@@ -16,7 +16,7 @@ from specjax.engine import Engine
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Greedy, SamplingParams
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
@@ -178,7 +178,7 @@ def test_tree_accept_walk():
     want = {0: 4, 1: 0, 2: 7, 3: 0, 4: 0, 5: 1}
     logits = jax.nn.one_hot(jnp.asarray([[want[w] for w in range(6)]]), v) * 10.0
     for rule in (acceptance.Greedy(), acceptance.SpecInfer()):  # SpecInfer under greedy: argmax draws
-        acc = rule.accept(SamplingConfig(method="greedy"), jax.random.key(0)[None], nodes, None, logits,
+        acc = rule.accept(Greedy(), jax.random.key(0)[None], nodes, None, logits,
                           SamplingParams.create(1), topo)
         assert int(acc.n[0]) == 2 and int(acc.leaf[0]) == 5 and int(acc.next[0]) == 1
         assert acc.path[0, :3].tolist() == [0, 2, 5]

@@ -21,7 +21,7 @@ from specjax.models import loader
 from specjax.models.kv_cache import KVCache
 from specjax.proposers import DraftModelProposer, NgramProposer, ngram
 from specjax.proposers.base import Stateless
-from specjax.sampling import SamplingConfig, SamplingParams
+from specjax.sampling import Greedy, Sample, SamplingParams
 from specjax.state import DecodeState, commit
 from specjax.tree import chain_topology
 
@@ -190,7 +190,7 @@ def test_temperature_zero_rows_of_a_sampled_program_are_greedy(eng, ref):
     """The lossless rule at temperature 0 (p one-hot) is greedy acceptance."""
     spec = SpecConfig(method="ngram", k=4)
     batch = eng.start(PROMPTS, GenerateOptions(max_new_tokens=M), spec=spec,
-                      sampling_config=SamplingConfig(method="sample"))
+                      sampling_config=Sample())
     assert [r.tokens for r in batch.run()] == [t[:M] for t in ref]
 
 
@@ -297,7 +297,7 @@ def test_ngram_lookup():
     assert _lookup(NgramProposer(k=3, min_n=1, max_n=1), tokens, lengths)[1].tolist() == [6, 1, 2]
     assert _lookup(NgramProposer(k=3, min_n=2, max_n=3), tokens, lengths)[4].tolist() == [3, 3, 3]
     state = _state([10, 11], capacity=16).replace(tokens=tokens[:2])
-    propose = jax.jit(lambda s: NgramProposer(k=3).propose(None, None, s, SamplingConfig(), None))
+    propose = jax.jit(lambda s: NgramProposer(k=3).propose(None, None, s, Greedy(), None))
     out, q, pstate = propose(state)
     assert out.tolist() == draft[:2].tolist() and q is None and pstate is None
 
@@ -401,7 +401,7 @@ def test_draft_propose_under_strict_rank_promotion(tiny_model):
     with jax.numpy_rank_promotion("raise"):
         try:
             DraftModelProposer(k=2, graphdef=graphdef).propose(
-                params, KVCache.zeros(tiny_model.config, 1, 8), state, SamplingConfig(), state.keys)
+                params, KVCache.zeros(tiny_model.config, 1, 8), state, Greedy(), state.keys)
         except ValueError as e:  # count only the proposer's own line, not the model's bug
             ours = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" not in f.filename]
             assert ours[-1].name == "propose", f"failed at {ours[-1].filename}:{ours[-1].lineno}"

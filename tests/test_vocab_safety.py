@@ -26,7 +26,7 @@ from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.models.kv_cache import KVCache
 from specjax.proposers import EagleProposer, MedusaProposer, NgramProposer
 from specjax.proposers.base import Stateless
-from specjax.sampling import SamplingConfig
+from specjax.sampling import Greedy, Sample
 from specjax.tree import chain_topology
 from test_speculative import PROMPTS, REF_NEW, _state, _table
 
@@ -102,7 +102,7 @@ def test_out_of_range_chain_drafts_equal_plain(eng, ref, monkeypatch, k, sampled
     params = (_table(ref), jnp.asarray([0, 1, k], jnp.int32))  # rows keep 0, 1, k true drafts
     monkeypatch.setattr(eng, "proposer", lambda spec: (OutOfRangeChain(k=spec.k, vocab=vocab), params))
     batch = eng.start(PROMPTS, GenerateOptions(max_new_tokens=M), spec=SpecConfig(method="ngram", k=k),
-                      sampling_config=SamplingConfig(method="sample" if sampled else "greedy"))
+                      sampling_config=(Sample() if sampled else Greedy()))
     res = batch.run()
     assert [r.tokens for r in res] == [t[:M] for t in ref]  # temperature 0 rows of a sampled program too
     assert sum(r.counters.num_accepted_tokens for r in res) > 0  # the true drafts were kept

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from jaxtyping import Array
 
 from specjax.tree import Tree, chain
-from specjax.sampling import SamplingConfig
+from specjax.sampling import Sampling
 from specjax.state import DecodeState
 
 
@@ -23,7 +23,7 @@ class Proposer(Protocol):
     def init(self, params: Any, state: DecodeState, inputs: Any, hidden: Array) -> Any: ...
 
     def propose(self, params: Any, pstate: Any, state: DecodeState,
-                sampling_config: SamplingConfig, keys: Array) -> tuple[Array, Array | None, Any]: ...
+                sampling_config: Sampling, keys: Array) -> tuple[Array, Array | None, Any]: ...
 
     def reconcile(self, params: Any, pstate: Any, state: DecodeState, verify: Any,
                   accepted: Any) -> Any: ...

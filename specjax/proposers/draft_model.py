@@ -19,7 +19,7 @@ from flax import nnx
 from specjax import sampling
 from specjax.proposers.base import Chain
 from specjax.models.kv_cache import KVCache
-from specjax.sampling import SamplingConfig
+from specjax.sampling import Sampling
 from specjax.state import DecodeState
 
 
@@ -56,8 +56,8 @@ class DraftModelProposer(Chain):
         _, cache = model.hidden_states(prompts, positions, cache)
         return cache
 
-    def _draw(self, sampling_config: SamplingConfig, keys, logits, state: DecodeState, j: int):
-        if sampling_config.method == "greedy":
+    def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int):
+        if sampling_config.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         q = sampling.probs(logits, state.sampling)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)

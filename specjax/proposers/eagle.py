@@ -180,7 +180,7 @@ class EagleProposer:
         if self.nodes:
             return self._tree(params, pstate, state), None, pstate
         head = self._head(params)
-        sampled = sampling_config.method != "greedy"
+        sampled = not sampling_config.greedy
         feat, cache = pstate.feature, pstate.cache
         tokens, qs = [], []
         for i in range(self.k):

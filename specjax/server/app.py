@@ -262,7 +262,7 @@ class Server:
         if int(m) != m or not 1 <= m <= opts.max_new_tokens:
             raise bad(f"max_tokens={max_tokens}: must be an integer in [1, {opts.max_new_tokens}] "
                       "(the server's --max-tokens sizes its cache)", "max_tokens")
-        greedy = opts.sampling.method == "greedy"
+        greedy = opts.sampling.greedy
         if body.temperature is not None:
             if not body.temperature >= 0:
                 raise bad(f"temperature={body.temperature}: must be >= 0 (0 = greedy)", "temperature")

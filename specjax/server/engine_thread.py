@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from specjax.scheduler import Request, Scheduler
+from specjax.scheduler import Request, Scheduler, Status
 
 log = logging.getLogger("specjax.server")
 
@@ -260,11 +260,11 @@ class EngineThread:
             if len(req.tokens) > job.sent:
                 job.put(list(req.tokens[job.sent:]))
                 job.sent = len(req.tokens)
-            if req.status == "finished":
+            if req.status is Status.FINISHED:
                 self._end(job, End(FINISH.get(req.stop_reason, "stop"), request=req))
-            elif req.status == "cancelled":
+            elif req.status is Status.CANCELLED:
                 self._end(job, End(job.reason or "cancelled", request=req))
-            elif req.status == "failed":
+            elif req.status is Status.FAILED:
                 self._end(job, End("error", req.error, request=req))
 
     def _end(self, job: Job, end: End) -> None:
