@@ -158,6 +158,33 @@ def test_draft_equal_to_target_accepts_everything(eng, target, monkeypatch):
     assert min(pvals.values()) > ALPHA, pvals
 
 
+def _through_scheduler(eng, n, *, stream=None):
+    """`n` requests of PROMPT through a Scheduler (draft model, K drafts): rows enter by its insert
+    path, several per chunk, each on the stream of its request id (or all on `stream`)."""
+    from specjax.scheduler import Scheduler
+
+    s = Scheduler(eng, slots=64, spec=SpecConfig(method="draft", k=K), chunk=2, max_prompt_tokens=len(PROMPT),
+                  opts=GenerateOptions(max_new_tokens=NEW, seed=17, **SETTINGS["t1.0"]))
+    for _ in range(n):
+        s.submit(PROMPT, stream=stream)
+    out = s.run()
+    assert all(len(r.tokens) == NEW for r in out)
+    return np.array([r.tokens for r in out]), sum(r.counters.num_accepted_tokens for r in out)
+
+
+def test_speculative_sampling_through_the_schedulers_insert_path_follows_the_target(eng, target):
+    """Requests admitted into a running batch (the scheduler's insert, not `Engine.generate`'s
+    prefill) sample the target's distribution; the control, every request on one random stream,
+    is rejected by the same test."""
+    n = N // 2
+    dist = joint(conditionals(target, SETTINGS["t1.0"]))
+    toks, accepted = _through_scheduler(eng, n)
+    assert min(pair_pvalues(toks, dist).values()) > ALPHA
+    assert 0 < accepted < n * (NEW - 1)
+    same, _ = _through_scheduler(eng, 64, stream=0)  # the control: one stream for all
+    assert len({tuple(t) for t in same}) == 1
+
+
 # ---- negative controls: the same test rejects the library's rule once it is broken --------------
 
 
