@@ -58,7 +58,7 @@ def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> L
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def _weights_id(path: pathlib.Path) -> str:
+def weights_id(path: pathlib.Path) -> str:
     """Hash of the file size and its first and last MiB: cheap, and stable for a given file."""
     h = hashlib.sha256()
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
@@ -107,7 +107,7 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
         weights = gguf_loader.weights_from_gguf(reader, config, progress=bar)
         tokenizer = Tokenizer.from_gguf(reader)
     model = model_from_weights(config, weights)
-    return LoadedModel(model, tokenizer, config, str(path), _weights_id(path))
+    return LoadedModel(model, tokenizer, config, str(path), weights_id(path))
 
 
 def weight_bytes(model: nnx.Module) -> int:

@@ -21,14 +21,22 @@ import numpy as np
 
 
 def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=512, unroll=2, lr=1e-3,
-          n_eval=4, model="smollm2-135m", log=print) -> list[dict]:
-    from specjax.engine import Engine
+          n_eval=4, model="smollm2-135m", deadline: float | None = None, log=print) -> list[dict]:
+    """`model`: a registry name or path, or an already loaded target (anything with `model`, `config`,
+    `name` and `weights_id`, such as an `Engine`: the accelerator route loads one without a tokenizer).
+    `deadline` (a `time.perf_counter()` value): training stops there, checkpointed, and the head of the
+    budget it reached is saved as `head-<updates>`; later budgets are skipped."""
     from specjax.models import eagle_io
     from specjax.models.eagle import EagleConfig
     from specjax.train_heads import cache as fc, eagle as tr
 
     out = pathlib.Path(out)
-    engine = Engine.load(model)
+    if isinstance(model, (str, pathlib.Path)):
+        from specjax.engine import Engine
+
+        engine = Engine.load(str(model))
+    else:
+        engine = model
     c = fc.FeatureCache(cache_dir, require_complete=False)
     held, data = fc.CachedSequences(c, np.arange(n_eval)), fc.CachedSequences(c, np.arange(n_eval, len(c)))
     ids = fc.target_vocabulary(c, data.ids, draft_vocab)
@@ -43,7 +51,15 @@ def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=51
     log(f"{len(data)} training sequences ({data.num_tokens} train positions), {len(held)} held out")
     records = []
     for b in sorted(budgets):
-        m = t.fit(stop_at=b, progress=False) if t.step < b else t.evaluate()
+        if deadline is not None and t.step < b:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                log(f"out of time at {t.step} updates: budgets from {b} on are skipped")
+                break
+            m = t.fit(stop_at=b, max_seconds=left, progress=False)
+            b = t.step  # the budget reached (short of b when time ran out)
+        else:
+            m = t.fit(stop_at=b, progress=False) if t.step < b else t.evaluate()
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         rec = dict(step=t.step, held_out=m, train_s=round(t.elapsed, 1),
                    positions=sum(r["train"]["tokens"] for r in lines if "loss" in r and r["step"] <= b))
