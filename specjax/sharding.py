@@ -129,10 +129,15 @@ def use(mesh: Mesh | None):
 
 
 def _sizes(mesh=None) -> dict[str, int] | None:
-    """Axis sizes of `mesh`, else of the mesh in context; None when there is none."""
+    """Axis sizes of `mesh`, else of the mesh in context; None when there is none. A mesh whose axis
+    names the rules do not know is an error, not a silent run without constraints."""
     m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if m is None or getattr(m, "empty", True) or not set(AXES) <= set(m.axis_names):
+    if m is None or getattr(m, "empty", True):
         return None
+    if not set(AXES) <= set(m.axis_names):
+        raise ValueError(f"a mesh with axes {tuple(m.axis_names)} is in context, and specjax's sharding rules "
+                         f"name {AXES}: build the mesh with specjax.sharding.make_mesh, or call specjax "
+                         f"outside `jax.set_mesh`")
     return dict(m.shape)
 
 

@@ -97,3 +97,20 @@ def test_scheduler_submit_refuses_a_prompt_that_is_not_token_ids(eng):
     with pytest.raises(ValueError, match="prompt 0 is"):
         sched.submit([[1, 2]])
     assert sched.submit([1, 2]) == 0 and sched.submit("hi") == 1
+
+
+def test_a_mesh_with_unknown_axis_names_is_refused(eng):
+    """A mesh in context whose axes are not specjax's would run without any sharding constraint: it
+    is one clear error instead, at the first product that asks."""
+    import jax
+    import numpy as np
+
+    from specjax import sharding
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"axes \('dp',\) .*make_mesh"):
+        sharding.active()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="make_mesh"):
+        eng.generate([[1, 2, 3]], max_new_tokens=2)
+    assert not sharding.active()  # and nothing without a mesh

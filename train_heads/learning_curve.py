@@ -5,6 +5,8 @@ live-loop acceptance and tau of each head on a prompt file (plain decoding in th
         [--draft-vocab 4096 --batch-size 1 --seq-len 512 --unroll 2 --lr 1e-3 --eval 4]
     python -m specjax.train_heads.learning_curve bench OUT.json PROMPTS.jsonl HEAD_DIR[,HEAD_DIR...] \\
         [--per-task 2 --k 3 --max-new-tokens 128]
+    python -m specjax.train_heads.learning_curve plot docs/plots/eagle_learning_curve.json \\
+        docs/plots/eagle_learning_curve.png
 
 Heads land in OUT/head-<updates>/ (loadable with `--eagle`); training metrics in OUT/metrics.jsonl.
 The budgets are points along one warmup-cosine schedule that ends at the largest.
@@ -103,6 +105,38 @@ def bench(out_json, prompts_file, heads, *, per_task=2, k=3, max_new_tokens=128,
     return report
 
 
+def plot(points_json, out_png) -> str:
+    """Live first-position acceptance and tau against positions seen in training, one line per run,
+    from `points_json`: {"runs": {name: [{"updates", "positions", "acc1", "tau"}, ...]}, "reference":
+    {name: {"acc1", "tau"}}} (the table in docs/BENCHMARKS.md, kept beside the plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    data = json.loads(pathlib.Path(points_json).read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in zip(axes, ("acc1", "tau"), ("live acceptance, first draft", "tau (chain K=3)")):
+        for name, pts in data["runs"].items():
+            pts = sorted(pts, key=lambda q: q["positions"])
+            ax.plot([q["positions"] for q in pts], [q[key] for q in pts], "o-", label=name)
+            for q in pts:
+                ax.annotate(str(q["updates"]), (q["positions"], q[key]), textcoords="offset points", xytext=(3, 3),
+                            fontsize=7)
+        for name, ref in data.get("reference", {}).items():
+            ax.axhline(ref[key], ls="--", lw=1, color="gray", label=name)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("positions seen in training (labels: updates)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    return str(out_png)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -123,8 +157,13 @@ def main(argv=None) -> int:
     bb.add_argument("--per-task", type=int, default=2)
     bb.add_argument("--k", type=int, default=3)
     bb.add_argument("--max-new-tokens", type=int, default=128)
+    pl = sub.add_parser("plot")
+    pl.add_argument("points_json")
+    pl.add_argument("out_png")
     a = p.parse_args(argv)
-    if a.what == "train":
+    if a.what == "plot":
+        plot(a.points_json, a.out_png)
+    elif a.what == "train":
         train(a.cache, a.out, [int(x) for x in a.budgets.split(",")], draft_vocab=a.draft_vocab,
               batch_size=a.batch_size, seq_len=a.seq_len, unroll=a.unroll, lr=a.lr, n_eval=a.eval)
     else:
