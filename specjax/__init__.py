@@ -3,7 +3,8 @@
 The functional core is `Decoder` (static: proposer, acceptance rule, sampling method, cache length)
 with pure `prefill`, `decode`, `insert` and `step`; the sampling method is `sampling.Greedy()` or
 `sampling.Sample()` (the top-level `Greedy` is the exact-match acceptance rule); `Inputs` holds the
-per-row arrays; `generate` jits and runs them. `Engine` and `Scheduler` are hosts over the same primitives.
+per-row arrays; `generate` jits and runs them. `Engine` and `Scheduler` are hosts over the same
+primitives.
 """
 
 from specjax import acceptance, sampling

@@ -107,7 +107,7 @@ class Result:
     ttft_s: float
     wall_s: float  # generation time, compile excluded
     compile_s: float
-    stop_reason: telemetry.StopReason  # a StrEnum: compares and serialises as "stop_token" | "max_new_tokens" | "cache_full"
+    stop_reason: telemetry.StopReason  # a StrEnum, equal to "stop_token" | "max_new_tokens" | "cache_full"
     method: str = "none"
     k: int = 0  # the most drafts a step can accept: the chain length, or the tree's depth
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
