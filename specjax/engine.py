@@ -452,15 +452,15 @@ class Engine:
         if not prompts:
             raise ValueError("no prompts given")
         b = batch_size or len(prompts)
-        self.check(prompts, opts, chat=chat)  # every prompt is validated before anything compiles
+        ids = self.check(prompts, opts, chat=chat)  # every prompt tokenized once, validated before compiling
         sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
         self.proposer(spec)  # and the speculation method (heads present, k in range, ...)
         results: list[Result] = []
-        for i in range(0, len(prompts), b):
+        for i in range(0, len(ids), b):
             sub = dataclasses.replace(opts, **{
                 n: tuple(_values(getattr(opts, n))[i:i + b]) for n in ("temperature", "top_k", "top_p")
                 if len(_values(getattr(opts, n))) > 1})
-            results.extend(self.start(prompts[i:i + b], sub, chat=chat, batch_size=batch_size and b,
+            results.extend(self.start(ids[i:i + b], sub, batch_size=batch_size and b,  # ids: not again
                                       spec=spec, row_offset=i).run())
         return results
 

@@ -403,3 +403,29 @@ def test_start_rejects_too_many_prompts(tiny_model):
     with pytest.raises(ValueError, match="3 prompts for batch_size=2"):
         eng.start([[1], [2], [3]], GenerateOptions(), batch_size=2)
     assert eng.compile_count == 0
+
+
+def test_generate_tokenizes_each_prompt_once(tiny_model):
+    """`Engine.generate` tokenizes (and checks) every prompt once up front, and hands the token ids to
+    its batches, which do not tokenize again."""
+
+    class CountingTokenizer:
+        stop_ids = ()
+
+        def __init__(self):
+            self.calls = 0
+
+        def encode(self, text, add_bos=True):
+            self.calls += 1
+            return [1 + ord(c) % 50 for c in text]
+
+        def decode(self, ids, skip_special=False):
+            return " ".join(map(str, ids))
+
+    tok = CountingTokenizer()
+    eng = Engine(tiny_model, tok)
+    out = eng.generate(["abc", "de", "fgh"], batch_size=2, max_new_tokens=2)
+    assert tok.calls == 3 and len(out) == 3
+    ref = Engine(tiny_model).generate([[1 + ord(c) % 50 for c in p] for p in ("abc", "de", "fgh")], batch_size=2,
+                                      max_new_tokens=2)
+    assert [r.tokens for r in out] == [r.tokens for r in ref]
