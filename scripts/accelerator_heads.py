@@ -56,17 +56,17 @@ def _importable_specjax() -> None:
         return
     except ImportError:
         pass
+    import importlib.util
     import tempfile
 
-    pkg = pathlib.Path(tempfile.mkdtemp(prefix="specjax-tree-")) / "specjax"
-    pkg.mkdir()
-    for entry in (ROOT / "specjax").iterdir():
-        (pkg / entry.name).symlink_to(entry)
-    (pkg / "models").symlink_to(ROOT / "models")
-    (pkg / "train_heads").symlink_to(ROOT / "train_heads")
+    spec = importlib.util.spec_from_file_location("compare_commits", ROOT / "scripts" / "compare_commits.py")
+    compare_commits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_commits)  # its package tree is the one mapping of the layout
+    tree = pathlib.Path(tempfile.mkdtemp(prefix="specjax-tree-"))
+    compare_commits._package_tree(ROOT, tree)
     for name in [m for m in sys.modules if m == "specjax" or m.startswith("specjax.")]:
         del sys.modules[name]
-    sys.path.insert(0, str(pkg.parent))
+    sys.path.insert(0, str(tree))
 
 
 def _flat(items) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ top-k/top-p: both sides sample from the same transformed distributions.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import ClassVar
 
@@ -21,7 +22,7 @@ from specjax import sharding
 NEG_INF = -1e30
 
 
-class Sampling:
+class Sampling(abc.ABC):
     """The static sampling method, a frozen object like the acceptance rules: `Greedy()` takes the
     argmax; `Sample()` draws from each row's filtered softmax (temperature / top-k / top-p; rows at
     temperature 0 stay argmax). It shapes the program, so it is a static (hashable) jit argument; the
@@ -31,9 +32,9 @@ class Sampling:
     greedy: ClassVar[bool]
     name: ClassVar[str]
 
+    @abc.abstractmethod
     def draw(self, keys: Array, logits: Float[Array, "B V"], params: SamplingParams | None) -> Int[Array, "B"]:
         """One token per row; `keys` is a [B] array of PRNG keys (each row its own stream)."""
-        raise NotImplementedError
 
     def draws(self, keys: Array, logits: Float[Array, "B W V"], params: SamplingParams | None) -> Int[Array, "B W"]:
         """One token at every slot of a window, each slot drawn independently of the others."""
