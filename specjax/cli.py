@@ -258,15 +258,12 @@ def _generate_auto(args, opts, prompts) -> int:
     from specjax.engine import Engine
     from specjax.scheduler import Scheduler
 
-    if getattr(args, "mesh", None) is not None:
-        raise ValueError("--method auto runs through the scheduler, which does not run on a mesh yet: "
-                         "drop --mesh or pick a method")
     methods = _auto_methods(args)
     repeats = 3 if args.repeats is None else args.repeats
     if repeats < 1:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
     log = lambda m: print(m, file=sys.stderr, flush=True)
-    engine = Engine.load(args.model, dtype=args.dtype)
+    engine = Engine.load(args.model, dtype=args.dtype, mesh=mesh_arg(args))
 
     def wanted(m: str) -> bool:  # chosen, or (none chosen) the model has assets for it, given or shipped
         rec = registry.record(m)
@@ -459,7 +456,7 @@ def cmd_loadbench(args) -> int:
                            tree=tree if "tree" in registry.record(m).options else None)
              for m in used if registry.record(m).tuned is None}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))
     # a method's assets when it runs or its flag is given; auto also takes the shipped assets that
     # carry their own tuning (an EAGLE head's chain and tree), not those whose options it derives
     _load_assets(engine, args, [m for m in RECORDS if m in used or _given(args, m) or (
@@ -788,6 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(lb)
     _add_spec_args(lb, many=True, default="none,ngram,auto")
     _add_bench_args(lb)
+    _add_mesh_args(lb)
     lb.add_argument("--concurrency", default=None,
                     help="comma-separated batch slots (concurrent clients), default 1,4,16")
     lb.add_argument("--rate", type=float, default=None,

@@ -385,18 +385,20 @@ class Engine:
         return ids
 
     # ---- compile cache -------------------------------------------------------------------------
-    def program(self, fn, decoder, *args, **statics):
+    def program(self, fn, decoder, *args, weights: bool = True, **statics):
         """The compiled `fn(graphdef, params, *args, decoder=..., **statics)` and the seconds spent
-        compiling it now (0 when cached)."""
+        compiling it now (0 when cached). `weights=False`: `fn(*args, **statics)`, a program that
+        reads no weights (a slot operation); call it without them."""
         leaves, treedef = jax.tree.flatten(args)
-        key = (fn, decoder, tuple(sorted(statics.items())), treedef,
+        key = (fn, decoder, weights, tuple(sorted(statics.items())), treedef,
                tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
         kw = dict(statics) if decoder is None else dict(statics, decoder=decoder)
+        model = (self.graphdef, self.params) if weights else ()
         with sharding.use(self.mesh):  # the constraints inside resolve against this mesh
-            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **kw).compile()
+            self._compiled[key] = fn.lower(*model, *args, **kw).compile()
         self.compile_count += 1
         return self._compiled[key], time.perf_counter() - t0
 

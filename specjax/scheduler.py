@@ -49,66 +49,18 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from specjax import decoder as core
-from specjax import sharding, telemetry
+from specjax import sharding, slots as slot_ops, telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
 from specjax.decoder import Decoder, Inputs, State, Stats
-from specjax.state import DecodeState, insert_row, rows_map
+from specjax.slots import HostView, Slots
+from specjax.state import DecodeState
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers import registry
 from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters, StopReason
 
-_STATICS = ("graphdef", "base", "decoders")
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
-
-
-@functools.partial(jax.jit, static_argnames=_STATICS)
-def _prefill_rows(graphdef, params, pparams, inputs: Inputs, *, base: Decoder, decoders):
-    """Prefills rows once for every option: the shared decode state and each option's proposer state."""
-    model = nnx.merge(graphdef, params)
-    state, hidden = base.prefill_target(model, inputs)
-    return state, tuple(d.init_proposer(pp, state, inputs, hidden) for d, pp in zip(decoders, pparams))
-
-
-@functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state", "pstates"))
-def _insert(graphdef, params, pparams, state, pstates, slot: Int[Array, ""], inputs: Inputs, *,
-            base: Decoder, decoders):
-    """Prefills one request (a batch of one at the batch's cache length) into row `slot`.
-
-    The batch's step counter `forwards` is kept; the row's own counters start at zero.
-    """
-    row, new = _prefill_rows(graphdef, params, pparams, inputs, base=base, decoders=decoders)
-    return base.insert(state, row, slot), tuple(base.insert(ps, n, slot) for ps, n in zip(pstates, new))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _release(graphdef, params, state, slot: Int[Array, ""]):
-    """Marks row `slot` done (a cancelled request), so the loop stops spending steps on it."""
-    return state.replace(done=state.done.at[slot].set(True))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state", "pstates"))
-def _move(graphdef, params, state, pstates, src: Int[Array, ""], dst: Int[Array, ""]):
-    """Moves row `src` (state and every proposer state) to row `dst` and leaves `src` done: keeps
-    the running rows packed at the front, so a chunk can run on the smallest batch that holds them."""
-    take = lambda tree: rows_map(lambda x: x[src][None], tree)
-    state, pstates = insert_row(state, take(state), dst), insert_row(pstates, take(pstates), dst)
-    return state.replace(done=state.done.at[src].set(True)), pstates
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "size"))
-def _head(graphdef, params, state, pstate, *, size: int):
-    """The first `size` rows (the shared n-gram table whole)."""
-    return rows_map(lambda x: x[:size], state), rows_map(lambda x: x[:size], pstate)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state", "pstate"))
-def _put_head(graphdef, params, state, pstate, sub, sub_pstate):
-    """Writes a chunk run on the first rows back into the batch (and the table it updated)."""
-    put = lambda big, small: big.at[: small.shape[0]].set(small)
-    state = rows_map(put, state, sub, table_from=1).replace(forwards=sub.forwards)  # the steps it ran
-    return state, rows_map(put, pstate, sub_pstate)
 
 
 def _label(o: Option) -> str:
@@ -245,8 +197,6 @@ class Scheduler:
         if int(chunk) != chunk or chunk < 1:
             raise ValueError(f"chunk={chunk}: must be an integer >= 1")
         opts.validate()
-        if getattr(engine, "mesh", None) is not None:
-            raise ValueError("the scheduler does not run on a mesh yet: use Engine.generate / start there")
         self.engine, self.b, self.opts, self.chunk, self.chat = engine, int(slots), opts, int(chunk), chat
         bad = [x for x in (batch_sizes or ()) if int(x) != x or not 1 <= x <= self.b]
         if bad:
@@ -373,7 +323,7 @@ class Scheduler:
         if req.status is Status.QUEUED:
             self.queue.remove(req)
         elif req.status is Status.RUNNING:
-            self.state = self._programs["release"](self.engine.params, self.state, np.int32(req.slot))
+            self.state = self._programs["release"](self.state, np.int32(req.slot))
             self.slots[req.slot] = None
             if self.controller:
                 self.controller.remove_row(req.id)
@@ -400,10 +350,7 @@ class Scheduler:
         for r in failed:
             self.fail(r, error)
         self.slots = [None] * self.b
-        empty = self._placeholders(max_new=1)
-        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
-        self.pstates = dict(zip(self.specs, pstates))
-        self._lengths = np.asarray(self.state.lengths).copy()
+        self._empty_batch()
         return failed
 
     def now(self) -> float:
@@ -429,37 +376,40 @@ class Scheduler:
                                         max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
-        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length) for o, (d, _) in built.items()}
-        self.decoders = {o: dataclasses.replace(d, ngram_table=self.table) for o, d in self.decoders.items()}
+        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, ngram_table=self.table)
+                         for o, (d, _) in built.items()}
         self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table)
-        self._pparams = tuple(built[o][1] for o in self.specs)
+        mesh = self.engine.mesh
+        self._pparams = tuple(sharding.place_pparams(built[o][1], mesh) for o in self.specs)
         self._pp = dict(zip(self.specs, self._pparams))
-        self._statics = dict(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
+        self.ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
         self._programs: dict = {}
         empty = self._placeholders(max_new=1)
-        self._programs["empty"] = self._compile(_prefill_rows, self._pparams, empty, **self._statics)
-        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
-        self.pstates = dict(zip(self.specs, pstates))
-        self._programs["release"] = self._compile(_release, self.state, np.int32(0))
+        self._programs["empty"] = self._compile(slot_ops.prefill_program, self._pparams, empty, slots=self.ops)
+        self._empty_batch()
+        self._programs["release"] = self._compile(slot_ops.release_program, self.state, np.int32(0), weights=False)
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self._insert_program(p)
-        stop_at = jax.ShapeDtypeStruct((), jnp.int32)
+        stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), jnp.int32), mesh)
         if len(self.sizes) > 1:
-            self._programs["move"] = self._compile(_move, self.state, self.pstates, np.int32(0), np.int32(0))
+            self._programs["move"] = self._compile(slot_ops.move_program, self.state, self.pstates,
+                                                   np.int32(0), np.int32(0), weights=False)
         for size in self.sizes:
             for o in self.options:
                 d = self.decoders[o]
                 ps = self.pstates.get(o)
                 st = self.state
                 if size != self.b:
-                    key = ("head", o, size)
-                    self._programs[key] = self._compile(_head, st, ps, size=size)
-                    st, ps = jax.eval_shape(lambda a, b: _head(self.engine.graphdef, self.engine.params, a, b,
-                                                               size=size), st, ps)
-                    self._programs[("put", o, size)] = self._compile(_put_head, self.state, self.pstates.get(o), st, ps)
-                s = State(decode=st, proposer=ps, stats=Stats.zeros(size, d.depth))
+                    self._programs[("take", o, size)] = self._compile(slot_ops.take_program, st, ps, size=size,
+                                                                      weights=False)
+                    with sharding.use(mesh):
+                        st, ps = jax.eval_shape(functools.partial(slot_ops.take_program, size=size), st, ps)
+                    st, ps = sharding.abstract_carry((st, ps), mesh)  # eval_shape drops shardings
+                    self._programs[("put", o, size)] = self._compile(
+                        slot_ops.put_program, self.state, self.pstates.get(o), st, ps, weights=False)
+                s = State(decode=st, proposer=ps, stats=self._stats(size, d.depth))
                 self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
-        self._lengths = np.asarray(self.state.lengths).copy()
+                self._compile(slot_ops.view_program, self.state, s.stats, weights=False)  # see _read
         if self.ccfg is not None:
             # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
             self.costs = self._given_costs or sharding.broadcast_from_0(
@@ -486,6 +436,7 @@ class Scheduler:
             args = self._insert_args(0, _placeholder_request(), p)
             self.state, ps = self._programs[("insert", p)](self.engine.params, *args)
             self.pstates = dict(zip(self.specs, ps))
+        self._lengths = self._read(self.state).lengths.copy()
         jax.block_until_ready(self.state)
 
     def compile_buckets(self) -> None:
@@ -499,7 +450,29 @@ class Scheduler:
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
-        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new)
+        return self._place(Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new))
+
+    def _place(self, tree):
+        """Rows (inputs, counters) on the engine's mesh by the carry's layout: split over `data` where
+        the rows divide it, else replicated (a request's batch-of-one prefill); as is without one."""
+        mesh = self.engine.mesh
+        return tree if mesh is None else jax.tree.map(sharding.put, tree, sharding.carry_shardings(tree, mesh))
+
+    def _stats(self, size: int, depth: int) -> Stats:
+        return self._place(Stats.zeros(size, depth))
+
+    def _empty_batch(self) -> None:
+        """A batch of placeholder rows, all done: what requests are inserted into."""
+        empty = self._placeholders(max_new=1)
+        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
+        self.pstates = dict(zip(self.specs, pstates))
+        view = self._read(self.state)
+        self._lengths, self._forwards = view.lengths.copy(), int(view.forwards)
+
+    def _read(self, state: DecodeState, stats: Stats | None = None) -> HostView:
+        """What the host needs of the batch (and of a chunk's counters), in one replicated transfer;
+        `prepare` compiled the program for every shape."""
+        return jax.device_get(self._compile(slot_ops.view_program, state, stats, weights=False)(state, stats))
 
     def _compile(self, fn, *args, decoder=None, **statics):
         prog, seconds = self.engine.program(fn, decoder, *args, **statics)
@@ -510,8 +483,8 @@ class Scheduler:
         if ("insert", p) not in self._programs:
             args = self._insert_args(0, _placeholder_request(), p)
             # the row's prefill needs no n-gram table of its own: the batch's is kept by the insert
-            statics = dict(self._statics, base=dataclasses.replace(self._statics["base"], ngram_table=None))
-            self._programs[("insert", p)] = self._compile(_insert, *args, **statics)
+            ops = dataclasses.replace(self.ops, base=dataclasses.replace(self.ops.base, ngram_table=None))
+            self._programs[("insert", p)] = self._compile(slot_ops.insert_program, *args, slots=ops)
         return self._programs[("insert", p)]
 
     def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
@@ -520,6 +493,7 @@ class Scheduler:
                                stop_ids=req.stop_ids or self.engine.stop_ids(self.opts), seed=req.seed,
                                row_ids=[max(req.id, 0) if req.stream is None else req.stream],
                                contribute=req.contribute, tenant=req.tenant)
+        inputs = self._place(inputs)
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)
 
@@ -539,34 +513,35 @@ class Scheduler:
                 w = self.decoders[o].window
                 n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
                 st, ps = self._programs["empty"](self.engine.params, self._pparams, busy)
-                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 1, size=size)
+                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 0, 1, size=size)
+                start = int(self._read(st).forwards)
                 t0 = time.perf_counter()
-                st, ps, fwd = self._run_loop(o, st, ps, n, size=size)
+                st, ps, _ = self._run_loop(o, st, ps, start, n, size=size)
+                seconds = time.perf_counter() - t0
+                fwd = int(self._read(st).forwards) - start
                 if fwd:
-                    ts[o].append((time.perf_counter() - t0) / fwd)
+                    ts[o].append(seconds / fwd)
                 del st, ps
         return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
                          batch=size or self.b)
 
-    def _run_loop(self, o: Option, state, pstates, n: int, *, size: int | None = None):
-        """Runs `n` steps of option `o` on the first `size` rows (default: all); returns the states
-        and the steps actually run. `_last_stats` keeps the chunk's counters, rows padded to slots."""
+    def _run_loop(self, o: Option, state, pstates, start: int, n: int, *, size: int | None = None):
+        """Runs option `o` on the first `size` rows (default: all) until the batch's step counter,
+        `start` now, reaches `start + n` or every row is done; returns the states and the chunk's
+        counters (device arrays, `size` rows)."""
         size = size or self.b
-        start = int(state.forwards)
         params = self.engine.params
         st, ps = state, pstates.get(o)
         if size != self.b:
-            st, ps = self._programs[("head", o, size)](params, st, ps)
-        s = State(decode=st, proposer=ps, stats=Stats.zeros(size, self.decoders[o].depth))
+            st, ps = self._programs[("take", o, size)](st, ps)
+        s = State(decode=st, proposer=ps, stats=self._stats(size, self.decoders[o].depth))
         s = jax.block_until_ready(self._programs[(o, size)](params, self._pp.get(o), s, np.int32(start + n)))
         st, ps = s.decode, s.proposer
         if size != self.b:
-            st, ps = self._programs[("put", o, size)](params, state, pstates.get(o), st, ps)
+            st, ps = self._programs[("put", o, size)](state, pstates.get(o), st, ps)
         if o != PLAIN:
             pstates = {**pstates, o: ps}
-        pad = lambda x: np.concatenate([np.asarray(x), np.zeros((self.b - size,) + x.shape[1:], x.dtype)])
-        self._last_stats = jax.tree.map(pad, s.stats)
-        return st, pstates, int(st.forwards) - start
+        return st, pstates, s.stats
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
@@ -652,7 +627,9 @@ class Scheduler:
         prog = self._insert_program(p)
         self.state, ps = prog(self.engine.params, *self._insert_args(slot, req, p))
         self.pstates = dict(zip(self.specs, ps))
-        lengths, done, tokens = (np.asarray(x) for x in (self.state.lengths, self.state.done, self.state.tokens))
+        view = self._read(self.state)
+        lengths, done, tokens = view.lengths, view.done, view.tokens
+        self._forwards = int(view.forwards)
         t = self.now()
         req.status, req.slot = Status.RUNNING, slot
         req.tokens = [int(tokens[slot, len(req.ids)])]
@@ -670,7 +647,10 @@ class Scheduler:
     def _decode_chunk(self, plan: Plan, active: list[Request], size: int) -> None:
         o = plan.option
         t0, start = self.clock(), self.now()
-        self.state, self.pstates, steps = self._run_loop(o, self.state, self.pstates, self.chunk, size=size)
+        self.state, self.pstates, stats = self._run_loop(o, self.state, self.pstates, self._forwards, self.chunk,
+                                                         size=size)
+        view = self._read(self.state, stats)
+        steps, self._forwards = int(view.forwards) - self._forwards, int(view.forwards)
         t = self.now()
         tasks: dict[str, int] = {}
         for r in active:
@@ -679,9 +659,9 @@ class Scheduler:
             start_s=start, seconds=self.clock() - t0, option=_label(o), reason=plan.reason,
             expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
             batch_size=size, steps=steps))
-        s = self.state
-        tokens, lengths, done, fwd = (np.asarray(x) for x in (s.tokens, s.lengths, s.done, s.row_forwards))
-        stats = jax.tree.map(np.asarray, self._last_stats)
+        tokens, lengths, done, fwd = view.tokens, view.lengths, view.done, view.row_forwards
+        pad = lambda x: np.concatenate([x, np.zeros((self.b - size,) + x.shape[1:], x.dtype)])
+        stats = jax.tree.map(pad, view.stats)  # rows past the chunk's size: zeros
         label = _label(o)
         for req in active:
             i = req.slot
@@ -711,8 +691,7 @@ class Scheduler:
             if not free or not busy or free[0] > busy[-1]:
                 return
             src, dst = busy[-1], free[0]
-            self.state, self.pstates = self._programs["move"](self.engine.params, self.state, self.pstates,
-                                                              np.int32(src), np.int32(dst))
+            self.state, self.pstates = self._programs["move"](self.state, self.pstates, np.int32(src), np.int32(dst))
             req = self.slots[src]
             self.slots[dst], self.slots[src], req.slot = req, None, dst
             self._lengths[dst] = self._lengths[src]

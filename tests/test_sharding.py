@@ -346,6 +346,51 @@ def test_bad_meshes_and_batches_fail_before_compiling(assets):
     assert len(out) == 3 and eng.compile_count == 2
 
 
+SCHED = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto": "auto"}
+
+
+def _serve(eng, spec, costs=None):
+    """Six requests through 4 slots in chunks of 3, batch sizes 2 and 4 (rows packed, a chunk on the
+    first rows: take / put), one request cancelled while it runs; every compile happens in prepare."""
+    from specjax.controller import ControllerConfig
+    from specjax.scheduler import Scheduler
+
+    s = Scheduler(eng, slots=4, spec=spec, opts=GenerateOptions(max_new_tokens=16), chunk=3,
+                  max_prompt_tokens=32, batch_sizes=(2,), costs=costs,
+                  controller=ControllerConfig(ks=(0, 2, 4), methods=("ngram",)) if spec == "auto" else None)
+    for p, m in zip(PROMPTS[:6], (16, 9, 12, 5, 16, 7)):
+        s.submit(p, max_new_tokens=m)
+    s.prepare()
+    before = eng.compile_count
+    s.run(on_chunk=lambda sch: sch.cancel(2) if len(sch.chunk_log) == 2 else None)
+    assert eng.compile_count == before, "a program compiled after prepare"
+    return s
+
+
+@pytest.mark.parametrize("method", list(SCHED))
+def test_scheduler_on_a_mesh_equals_one_device(assets, method):
+    """The scheduler on a (4, 2) mesh: the same tokens, the same chunks (options, batch sizes, steps),
+    the same stream of emissions per request and the same number of compiled programs as on one
+    device. Auto uses the one-device run's cost model, so both controllers see the same costs."""
+    target, draft, heads = assets
+    one = _eng(target, draft=draft, heads=heads)
+    ref = _serve(one, SCHED[method])
+    mesh = _eng(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=4, model=2))
+    got = _serve(mesh, SCHED[method], costs=ref.costs if method == "auto" else None)
+    assert mesh.compile_count == one.compile_count
+    assert [r.tokens for r in got.requests] == [r.tokens for r in ref.requests]
+    assert [r.status for r in got.requests] == [r.status for r in ref.requests]
+    assert [[n for _, n in r.emissions] for r in got.requests] == [[n for _, n in r.emissions] for r in ref.requests]
+    assert [r.counters for r in got.requests] == [r.counters for r in ref.requests]
+    chunk = lambda c: (c.option, c.batch_size, c.rows, c.steps)
+    assert [chunk(c) for c in got.chunk_log] == [chunk(c) for c in ref.chunk_log]
+    assert got.state.tokens.sharding.spec == P("data")  # the batch stayed split over data
+    greedy = one.generate(PROMPTS[:6], spec=SpecConfig(), max_new_tokens=16)
+    for r, g in zip(ref.requests, greedy):  # greedy speculation equals the plain loop
+        if r.status == "finished":
+            assert r.tokens == g.tokens[: r.max_new_tokens]
+
+
 def test_host_view_and_broadcast_on_one_process():
     mesh = sharding.make_mesh(data=8)
     x = sharding.put(np.arange(16, dtype=np.int32).reshape(8, 2), NamedSharding(mesh, P("data")))

@@ -1,0 +1,105 @@
+"""Slot operations (specjax.slots): insert, release, move, take / put and the host view, on one device.
+
+The scheduler's end-to-end checks (every request gets its batch-of-one tokens, on one device and on an
+8-device mesh) are in test_scheduler.py and test_sharding.py; these pin each operation alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax import slots as slot_ops
+from specjax.decoder import Decoder, Inputs, State, Stats, decode_program
+from specjax.proposers.ngram import NgramProposer
+from specjax.slots import Slots
+
+S = 64
+
+
+@pytest.fixture(scope="module")
+def ops():
+    base = Decoder(cache_length=S)
+    return Slots(base=base, decoders=(Decoder(cache_length=S, proposer=NgramProposer(k=3)),))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return nnx.split(tiny_model)
+
+
+def _rows(prompts, **kw):
+    return Inputs.create(prompts, bucket=8, max_new_tokens=12, **kw)
+
+
+def _host(tree, pick=lambda x: x):
+    """Numpy copies of a state's arrays (keys as their data), `pick` applied to each."""
+    def one(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return pick(np.asarray(x))
+    return jax.tree.map(one, tree)
+
+
+def _leaves_equal(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_insert_writes_one_row_and_keeps_the_others(ops, model):
+    graphdef, params = model
+    batch = _rows([[1, 2, 3], [4, 5, 6, 7], [9], [3, 3]])
+    state, pstates = slot_ops.prefill_program(graphdef, params, (None,), batch, slots=ops)
+    before = _host(state)
+    req = _rows([[11, 12, 13, 14, 15]], row_ids=[7])
+    alone, _ = slot_ops.prefill_program(graphdef, params, (None,), req, slots=ops)
+    alone = _host(alone)
+    state, pstates = slot_ops.insert_program(graphdef, params, (None,), state, pstates, np.int32(2), req,
+                                             slots=ops)
+    after = _host(state)
+    for name in ("tokens", "lengths", "prompt_lengths", "max_new", "done", "row_forwards", "keys"):
+        new, old, one = getattr(after, name), getattr(before, name), getattr(alone, name)
+        assert np.array_equal(new[2], one[0]), name  # the row is the batch-of-one prefill
+        assert np.array_equal(np.delete(new, 2, axis=0), np.delete(old, 2, axis=0)), name  # others kept
+    assert np.array_equal(after.cache.k[0][2], alone.cache.k[0][0])
+    assert int(after.forwards) == int(before.forwards)  # the batch's step counter is not the row's
+
+
+def test_release_move_take_put(ops, model):
+    graphdef, params = model
+    state, pstates = slot_ops.prefill_program(graphdef, params, (None,), _rows([[1, 2], [3, 4], [5, 6], [7, 8]]),
+                                              slots=ops)
+    state = slot_ops.release_program(state, np.int32(1))
+    assert np.asarray(state.done).tolist() == [False, True, False, False]
+
+    row3 = _host(state, lambda x: x[3] if x.ndim else None)
+    state, pstates = slot_ops.move_program(state, pstates, np.int32(3), np.int32(1))
+    moved = _host(state, lambda x: x[1] if x.ndim else None)
+    assert np.array_equal(moved.tokens, row3.tokens) and np.array_equal(moved.cache.k[0], row3.cache.k[0])
+    assert np.asarray(state.done).tolist() == [False, False, False, True]  # the source is free
+
+    sub, sub_p = slot_ops.take_program(state, pstates[0], size=2)
+    assert sub.tokens.shape[0] == 2 and _leaves_equal(sub.tokens, state.tokens[:2])
+    full = _host(state)
+    loop = State(decode=sub, proposer=sub_p, stats=Stats.zeros(2, 0))
+    ran = decode_program(graphdef, params, None, loop, np.int32(3), decoder=ops.base)
+    state, _ = slot_ops.put_program(state, pstates[0], ran.decode, ran.proposer)
+    out = _host(state)
+    assert int(out.forwards) == 3  # the steps the sub-batch ran
+    assert np.array_equal(out.tokens[:2], np.asarray(ran.decode.tokens))
+    assert np.array_equal(out.tokens[2:], full.tokens[2:]) and np.array_equal(out.lengths[2:], full.lengths[2:])
+
+
+def test_view_is_what_the_host_reads(ops, model):
+    graphdef, params = model
+    state, _ = slot_ops.prefill_program(graphdef, params, (None,), _rows([[1, 2], [3]]), slots=ops)
+    stats = Stats.zeros(2, 3)
+    view = jax.device_get(slot_ops.view_program(state, stats))
+    assert isinstance(view.tokens, np.ndarray)
+    assert np.array_equal(view.tokens, np.asarray(state.tokens))
+    assert np.array_equal(view.lengths, np.asarray(state.lengths)) and view.forwards == 0
+    assert view.stats.accepted_per_position.shape == (2, 3)
+
+
+def test_every_option_shares_the_cache_length(ops):
+    with pytest.raises(ValueError, match="cache_length"):
+        Slots(base=ops.base, decoders=(Decoder(cache_length=S + 8, proposer=NgramProposer(k=3)),))
