@@ -23,6 +23,7 @@ nodes, q = propose(...)                  # [B, N] drafted tokens (+ q [B, N, V] 
 out = verify(target, state, nodes)       # one target pass over the window (tree mask)
 acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
 state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
+state = learn(before, state)             # the batch's shared n-gram table reads what was committed
 pstate = proposer.reconcile(out, acc)    # e.g. a draft cache or the hidden state at the leaf
 ```
 
@@ -49,7 +50,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
 from specjax.sampling import Sampling, SamplingParams
-from specjax.state import DecodeState, commit, commit_path, insert_row, last_tokens, step_keys
+from specjax.state import DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn, step_keys, tick
 
 MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
@@ -318,11 +319,12 @@ class Decoder:
             tokens=tokens, lengths=inputs.prompt_lengths.astype(jnp.int32),
             prompt_lengths=inputs.prompt_lengths.astype(jnp.int32), max_new=inputs.max_new.astype(jnp.int32),
             done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
-            keys=inputs.keys, forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32),
-            table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table),
+            keys=inputs.keys, row_forwards=jnp.zeros((b,), jnp.int32),
+            shared=Shared(forwards=jnp.zeros((), jnp.int32),
+                          table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table)),
             contribute=inputs.contribute, tenant=inputs.tenant)
         first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
-        state, _ = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)
+        state = learn(state, commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0], 1)
         return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
 
     def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
@@ -354,7 +356,7 @@ class Decoder:
         acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
                                      state.sampling, topo)
         active = ~state.done
-        state = commit_path(state, out.cache, nodes, acc, topo)
+        state = learn(state, commit_path(state, out.cache, nodes, acc, topo), self.depth + 1)
         pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
         return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes))
 
@@ -376,9 +378,8 @@ def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> D
     pos = state.lengths - 1
     out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
     nxt = sampling_config.draw(step_keys(state), out.logits[:, 0], state.sampling)
-    state = state.replace(cache=out.cache, forwards=state.forwards + 1,
-                          row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
-    return commit(state, nxt[:, None], jnp.ones_like(pos), window=1)[0]
+    new = commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0]
+    return learn(state, new, 1)
 
 
 # ---- jitted programs (what the hosts compile) ----------------------------------------------------

@@ -503,7 +503,8 @@ class Batch:
         back once per state through one replicated view (`specjax.sharding.host_view`)."""
         if self._view is None or self._view[0] is not self.state:
             s = self.state.decode
-            keep = s.replace(cache=None, keys=None, table=None, sampling=None, contribute=None)
+            keep = s.replace(cache=None, keys=None, shared=s.shared.replace(table=None), sampling=None,
+                             contribute=None)
             self._view = (self.state, sharding.host_view((keep, self.state.stats), self.engine.mesh))
         return self._view[1]
 

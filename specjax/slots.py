@@ -100,7 +100,7 @@ class Slots:
     @staticmethod
     def take(state: DecodeState, pstate: Any, size: int) -> tuple[DecodeState, Any]:
         """The first `size` rows of the state and of one option's proposer state (the shared
-        n-gram table whole)."""
+        n-gram table: the `Shared` part whole)."""
         head = lambda tree: rows_map(lambda x: x[:size], tree)
         return sharding.constrain_carry((head(state), head(pstate)))
 
@@ -109,7 +109,7 @@ class Slots:
         """Writes a chunk run on the first rows (`take`) back into the batch, with the steps it ran
         and the n-gram table it updated."""
         put = lambda big, small: big.at[: small.shape[0]].set(small)
-        state = rows_map(put, state, sub, table_from=1).replace(forwards=sub.forwards)
+        state = rows_map(put, state, sub, shared_from=1)
         return sharding.constrain_carry((state, rows_map(put, pstate, sub_pstate)))
 
     @staticmethod

@@ -3,6 +3,10 @@
 Invariant: row b has committed `lengths[b]` tokens (prompt + generated) in `tokens[b]`; the
 cache holds K/V for positions `< lengths[b] - 1`. The last committed token is fed at the next
 step, at position `lengths[b] - 1`, alone (plain) or followed by K drafts (speculative).
+
+A `DecodeState` is per-row arrays (batch-leading) plus one `Shared` part that belongs to the batch:
+its step counter and the cross-request n-gram table. Slot operations (`rows_map`, `insert_row`)
+move rows and never touch the shared part; a step updates it (`learn`) after its commit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from specjax.sampling import SamplingParams
 
 
 @struct.dataclass
+class Shared:
+    """What the rows of a batch share: the batch's step counter and the cross-request n-gram table."""
+
+    forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
+    table: NgramTable | None = None  # written by every row's commits (`learn`), read by prompt lookup
+
+
+@struct.dataclass
 class DecodeState:
     tokens: Int[Array, "B S"]  # token at each position: prompt, then generated
     lengths: Int[Array, "B"]  # committed tokens per row
@@ -29,11 +41,18 @@ class DecodeState:
     sampling: SamplingParams
     stop_ids: Int[Array, "B E"]  # per-row stop tokens, padded with -1
     keys: Array  # [B] PRNG keys, one stream per row
-    forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
     row_forwards: Int[Array, "B"]  # target forwards while each row was still active
-    table: NgramTable | None = None  # the cross-request n-gram table, shared by all rows
+    shared: Shared  # the batch's part: step counter and n-gram table
     contribute: Bool[Array, "B"] | None = None  # rows whose text may enter the table (None: all)
     tenant: Int[Array, "B"] | None = None  # each row's scope of the table (None: tenant 0)
+
+    @property
+    def forwards(self) -> Int[Array, ""]:
+        return self.shared.forwards
+
+    @property
+    def table(self) -> NgramTable | None:
+        return self.shared.table
 
     @property
     def num_new(self) -> Int[Array, "B"]:
@@ -85,10 +104,6 @@ def commit(
     vals = jnp.where(j < take[:, None], new, old)
     tokens = state.tokens.at[rows, cols].set(vals, mode="drop")
     lengths = state.lengths + take
-    table = state.table
-    if table is not None:
-        contribute = jnp.ones_like(state.done) if state.contribute is None else state.contribute
-        table = ngram_table.add(table, tokens, state.lengths, take, w, contribute, state.tenant)
     stopped = (stop & (j < take[:, None])).any(axis=1)
     done = (
         state.done
@@ -96,7 +111,26 @@ def commit(
         | (lengths - state.prompt_lengths >= state.max_new)
         | (lengths + window > state.capacity)
     )
-    return state.replace(tokens=tokens, lengths=lengths, done=done, table=table), take
+    return state.replace(tokens=tokens, lengths=lengths, done=done), take
+
+
+def learn(before: DecodeState, after: DecodeState, width: int) -> DecodeState:
+    """`after` with the shared n-gram table updated by what each row committed since `before` (at
+    most `width` tokens a row), each row in its tenant's scope and only where it may contribute.
+    A step calls it after its commit; the batch's counter `forwards` counts the step."""
+    table = after.shared.table
+    if table is None:
+        return after
+    contribute = jnp.ones_like(after.done) if after.contribute is None else after.contribute
+    take = after.lengths - before.lengths
+    table = ngram_table.add(table, after.tokens, before.lengths, take, width, contribute, after.tenant)
+    return after.replace(shared=after.shared.replace(table=table))
+
+
+def tick(state: DecodeState) -> DecodeState:
+    """Counts one target forward: the batch's, and each still-active row's."""
+    return state.replace(shared=state.shared.replace(forwards=state.shared.forwards + 1),
+                         row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
 
 
 def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], accepted,
@@ -114,41 +148,28 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], ac
     new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
     if not topo.is_chain:
         cache = tree.compact(cache, state.lengths - 1, accepted.path)
-    active = (~state.done).astype(jnp.int32)
-    state = state.replace(cache=cache, forwards=state.forwards + 1, row_forwards=state.row_forwards + active)
+    state = tick(state.replace(cache=cache))
     return commit(state, new, accepted.n + 1, window=topo.width)[0]
 
 
-def rows_map(fn, batch, *others, table_from: int = 0):
-    """`fn(leaf, *other_leaves)` over every batch-leading leaf of `batch`; scalars (the batch's step
-    counter) keep `batch`'s values and the shared n-gram table is never sliced: it is taken whole
-    from `(batch, *others)[table_from]`."""
+def rows_map(fn, batch, *others, shared_from: int = 0):
+    """`fn(leaf, *other_leaves)` over every per-row leaf of `batch` (batch-leading); a decode state's
+    `Shared` part is never sliced: it is taken whole from `(batch, *others)[shared_from]`, and
+    scalars elsewhere (a proposer's) keep `batch`'s values."""
     trees = (batch,) + others
 
-    def table_of(t):
-        inner = t if isinstance(t, DecodeState) else getattr(t, "decode", None)
-        return inner.table if isinstance(inner, DecodeState) else None
+    def leaf(x, *o):
+        if isinstance(x, Shared):
+            return (x, *o)[shared_from]
+        return fn(x, *o) if x.ndim else x
 
-    def strip(t):
-        if isinstance(t, DecodeState):
-            return t.replace(table=None)
-        if isinstance(getattr(t, "decode", None), DecodeState):
-            return t.replace(decode=t.decode.replace(table=None))
-        return t
-
-    table = table_of(trees[table_from])
-    out = jax.tree.map(lambda x, *o: fn(x, *o) if x.ndim else x, *(strip(t) for t in trees))
-    if table is None:
-        return out
-    if isinstance(out, DecodeState):
-        return out.replace(table=table)
-    return out.replace(decode=out.decode.replace(table=table))
+    return jax.tree.map(leaf, *trees, is_leaf=lambda x: isinstance(x, Shared))
 
 
 def insert_row(batch, row, slot: Int[Array, ""]):
     """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
 
-    Scalars (the batch's step counter) and the shared n-gram table keep the batch's values. This is
+    The batch's `Shared` part (step counter, n-gram table) is kept. This is
     what continuous batching needs: a request prefilled alone is scattered into a running batch;
     other rows do not move.
     """

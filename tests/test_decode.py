@@ -13,7 +13,7 @@ from specjax import sampling
 from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sample, SamplingParams
-from specjax.state import DecodeState
+from specjax.state import DecodeState, Shared
 from specjax.state import commit as _commit
 
 commit = jax.jit(_commit, static_argnames="window")
@@ -170,8 +170,8 @@ def _state(lengths, *, capacity=8, prompt=2, max_new=100, stop=(-1,)):
         prompt_lengths=jnp.full((b,), prompt, jnp.int32),
         max_new=jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)), done=jnp.zeros((b,), bool),
         cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b), stop_ids=stop_ids,
-        keys=jax.random.split(jax.random.key(0), b), forwards=jnp.zeros((), jnp.int32),
-        row_forwards=jnp.zeros((b,), jnp.int32),
+        keys=jax.random.split(jax.random.key(0), b), row_forwards=jnp.zeros((b,), jnp.int32),
+        shared=Shared(forwards=jnp.zeros((), jnp.int32)),
     )
 
 

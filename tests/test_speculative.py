@@ -22,7 +22,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.proposers import DraftModelProposer, NgramProposer, ngram
 from specjax.proposers.base import Stateless
 from specjax.sampling import Greedy, Sample, SamplingParams
-from specjax.state import DecodeState, commit
+from specjax.state import DecodeState, Shared, commit
 from specjax.tree import chain_topology
 
 PROMPTS = [
@@ -251,7 +251,7 @@ def _state(lengths, *, capacity, max_new=100, stop=()):
         prompt_lengths=jnp.full((b,), 2, jnp.int32), max_new=jnp.full((b,), max_new, jnp.int32),
         done=jnp.zeros((b,), bool), cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b),
         stop_ids=jnp.asarray(stop_ids), keys=jax.random.split(jax.random.key(0), b),
-        forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32))
+        row_forwards=jnp.zeros((b,), jnp.int32), shared=Shared(forwards=jnp.zeros((), jnp.int32)))
 
 
 def test_commit_window_cache_full_and_stop():
