@@ -310,13 +310,14 @@ class Engine:
 
     def decoder(self, spec: SpecConfig, *, sampling: Sampling | str = "greedy",
                 cache_length: int | None = None, prompt_bucket: int | None = None,
-                max_new_tokens: int | None = None, headroom: int = 0):
+                max_new_tokens: int | None = None, headroom: int = 0, built: tuple | None = None):
         """The `Decoder` for `spec` and its proposer params.
 
         Give `cache_length`, or `prompt_bucket` and `max_new_tokens` to size it with
-        `decoder.cache_length` (`headroom`: a wider window that shares this cache).
+        `decoder.cache_length` (`headroom`: a wider window that shares this cache). `built`: the
+        `(proposer, params)` that `proposer(spec)` returned, to build them once per call.
         """
-        proposer, pparams = self.proposer(spec)
+        proposer, pparams = self.proposer(spec) if built is None else built
         if cache_length is None:
             window = 1 if proposer is None else core.window_of(proposer)
             cache_length = core.cache_length(prompt_bucket, max_new_tokens, max(window, headroom))
@@ -406,11 +407,11 @@ class Engine:
     def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,
               chat: bool = False, batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
               sampling_config: Sampling | None = None, row_offset: int = 0,
-              cache_length: int | None = None) -> "Batch":
+              cache_length: int | None = None, built: tuple | None = None) -> "Batch":
         """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
 
         Row r's random stream is `fold_in(key(opts.seed), row_offset + r)`. Every check runs before
-        anything is compiled, so bad input fails fast.
+        anything is compiled, so bad input fails fast. `built`: `proposer(spec)`'s result, reused.
         """
         batch_size = _positive_int("batch_size", batch_size, none_means="one row per prompt")
         ids = self.check(prompts, opts, chat=chat)
@@ -420,7 +421,7 @@ class Engine:
         sharding.check_batch(b, self.mesh)
         bucket = self.bucket_for(max(len(x) for x in ids))
         dec, pparams = self.decoder(spec, sampling=sampling_config or opts.sampling, cache_length=cache_length,
-                                    prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)
+                                    prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens, built=built)
         pick = lambda v: v if len(_values(v)) == 1 else list(v)
         inputs = Inputs.create(ids, bucket=bucket, batch_size=b, max_new_tokens=opts.max_new_tokens,
                                temperature=pick(opts.temperature), top_k=pick(opts.top_k),
@@ -456,14 +457,14 @@ class Engine:
         b = batch_size or len(prompts)
         ids = self.check(prompts, opts, chat=chat)  # every prompt tokenized once, validated before compiling
         sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
-        self.proposer(spec)  # and the speculation method (heads present, k in range, ...)
+        built = self.proposer(spec)  # validates the method (heads present, k in range, ...), once per call
         results: list[Result] = []
         for i in range(0, len(ids), b):
             sub = dataclasses.replace(opts, **{
                 n: tuple(_values(getattr(opts, n))[i:i + b]) for n in ("temperature", "top_k", "top_p")
                 if len(_values(getattr(opts, n))) > 1})
             results.extend(self.start(ids[i:i + b], sub, batch_size=batch_size and b,  # ids: not again
-                                      spec=spec, row_offset=i).run())
+                                      spec=spec, row_offset=i, built=built).run())
         return results
 
 

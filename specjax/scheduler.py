@@ -217,8 +217,8 @@ class Scheduler:
             self.specs = {} if spec.method == "none" else {(spec.method, spec.k): spec}
         self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs or with_plain else ()) + tuple(self.specs)
         self.fixed: Option = next(iter(self.specs), PLAIN)  # a fixed spec's option
-        for s in self.specs.values():
-            engine.proposer(s)  # raises before compiling (heads missing, k too large, ...)
+        # built once (raises before compiling: heads missing, k too large, ...)
+        self._built = {o: engine.proposer(s) for o, s in self.specs.items()}
         lookups = [s for s in self.specs.values() if registry.looks_up(s.method)]
         if ngram_table is None:
             ngram_table = NGRAM_TABLE_SLOTS if lookups else 0
@@ -372,7 +372,7 @@ class Scheduler:
             return
         longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
         self.bucket = self.engine.bucket_for(longest)
-        built = {o: self.engine.decoder(s, sampling=self.sc, prompt_bucket=self.bucket,
+        built = {o: self.engine.decoder(s, sampling=self.sc, prompt_bucket=self.bucket, built=self._built[o],
                                         max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])

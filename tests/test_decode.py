@@ -13,6 +13,7 @@ from specjax import sampling
 from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sample, SamplingParams
+from specjax.config import SpecConfig
 from specjax.state import DecodeState, Shared
 from specjax.state import commit as _commit
 
@@ -429,3 +430,16 @@ def test_generate_tokenizes_each_prompt_once(tiny_model):
     ref = Engine(tiny_model).generate([[1 + ord(c) % 50 for c in p] for p in ("abc", "de", "fgh")], batch_size=2,
                                       max_new_tokens=2)
     assert [r.tokens for r in out] == [r.tokens for r in ref]
+
+
+def test_generate_builds_the_proposer_once(tiny_model, monkeypatch):
+    """One `Engine.generate` call builds its proposer once (validation included), however many
+    batches it runs."""
+    from specjax.proposers import registry
+
+    calls = []
+    build = registry.build
+    monkeypatch.setattr(registry, "build", lambda spec, assets: calls.append(spec) or build(spec, assets))
+    out = Engine(tiny_model).generate([[1, 2, 3], [4, 5], [6, 7, 8]], batch_size=2, max_new_tokens=2,
+                                      spec=SpecConfig(method="ngram", k=2))
+    assert len(out) == 3 and len(calls) == 1
