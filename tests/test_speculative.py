@@ -22,7 +22,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.proposers import DraftModelProposer, NgramProposer, ngram
 from specjax.proposers.base import Stateless
 from specjax.sampling import Greedy, Sample, SamplingParams
-from specjax.state import DecodeState, commit
+from specjax.state import DecodeState
 from specjax.tree import chain_topology
 
 PROMPTS = [
@@ -252,21 +252,6 @@ def _state(lengths, *, capacity, max_new=100, stop=()):
         done=jnp.zeros((b,), bool), cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b),
         stop_ids=jnp.asarray(stop_ids), keys=jax.random.split(jax.random.key(0), b),
         forwards=jnp.zeros((), jnp.int32), row_forwards=jnp.zeros((b,), jnp.int32))
-
-
-def test_commit_window_cache_full_and_stop():
-    """A row is done once another K+1 window would not fit; a stop inside the kept prefix cuts it."""
-    k = 3
-    new = jnp.asarray([[1, 2, 3, 4], [1, 2, 3, 4], [1, 9, 3, 4]], jnp.int32)
-    s, take = commit(_state([4, 2, 2], capacity=12, stop=(9,)), new, jnp.asarray([4, 4, 4]), window=k + 1)
-    assert take.tolist() == [4, 4, 2]
-    assert s.lengths.tolist() == [8, 6, 4]
-    assert s.done.tolist() == [False, False, True]  # 8 + 4 = 12 still fits
-    s, take = commit(s, new, jnp.asarray([1, 4, 4]), window=k + 1)
-    assert take.tolist() == [1, 4, 0]
-    assert s.lengths.tolist() == [9, 10, 4] and s.done.tolist() == [True, True, True]
-    assert s.tokens[1].tolist() == [0, 0, 1, 2, 3, 4, 1, 2, 3, 4, 0, 0]
-    assert s.tokens[2].tolist()[:6] == [0, 0, 1, 9, 0, 0]
 
 
 # ---- prompt lookup -----------------------------------------------------------------------------
