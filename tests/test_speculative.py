@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoder import verify
-from specjax.config import MAX_K, SpecConfig
+from specjax.config import SpecConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
@@ -310,24 +310,6 @@ def test_compile_once_per_bucket(tiny_model):
     eng.generate(other, max_new_tokens=M + 2, spec=spec, temperature=(1.3, 0.5, 0.9), top_k=(5, 0, 2),
                  top_p=0.9, seed=2)  # per-row values
     assert eng.compile_count == 4
-
-
-@pytest.mark.parametrize("kw, match", [
-    (dict(method="ngram", k=0), "k=0"),
-    (dict(method="draft", k=MAX_K + 1), f"k={MAX_K + 1}"),
-    (dict(method="ngram", k=2.5), "k=2.5"),
-    (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
-    (dict(method="ngram", ngram_min=0), "ngram_min"),
-    (dict(method="hydra"), "unknown method"),
-    (dict(method="ngram", tree="small"), "'medusa' only"),
-    (dict(method="medusa", tree="huge"), "unknown tree"),
-    (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
-    (dict(method="medusa", tree=((0,), (0,))), "twice"),
-    (dict(method="medusa", typical=(0.3, 2.0)), "typical"),
-])
-def test_bad_spec_config(kw, match):
-    with pytest.raises(ValueError, match=match):
-        SpecConfig(**kw)
 
 
 def test_bad_input_fails_before_compiling(tiny_model, eng):
