@@ -161,45 +161,6 @@ def test_offline_bench_side_by_side(tiny_model):
     assert "| ngram | copy | 4 |" in bench.markdown(records)
 
 
-def test_cli_generate_and_loadbench_run_on_the_tiny_model(tiny_model, monkeypatch, capsys, tmp_path):
-    """The CLI's own paths end to end (the Engine.load of a tiny random model): generate with a
-    method, loadbench with plain, prompt lookup and auto."""
-    from test_compare import _CharTokenizer
-
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, name, **kw: Engine(tiny_model, _CharTokenizer(),
-                                                                                  name="tiny")))
-    assert cli.main(["generate", "--method", "ngram", "--k", "2", "--prompt", "abcabcabc", "--json",
-                     "--max-new-tokens", "6"]) == 0
-    (line,) = capsys.readouterr().out.splitlines()
-    assert json.loads(line)["method"] == "ngram" and json.loads(line)["k"] == 2
-    out = tmp_path / "load.json"
-    assert cli.main(["loadbench", "--methods", "none,ngram,auto", "--concurrency", "1", "--max-new-tokens", "4",
-                     "--json", str(out)]) == 0
-    assert {r["method"] for r in json.loads(out.read_text())} == {"none", "ngram", "auto"}
-
-
-def test_bench_spec_of_every_method_label(tiny_model):
-    """`specjax bench`'s labels map to specs; a method with tuned settings (eagle, eagle-tree) takes
-    them from the loaded head, flags overriding."""
-    import numpy as np
-    from flax import nnx
-
-    from specjax import bench
-    from specjax.config import TREES
-    from specjax.models.eagle import EagleConfig, EagleHead
-
-    args = cli.build_parser().parse_args(["bench", "--k", "3", "--tree", "small"])
-    specs = {m: cli._bench_spec(m, args) for m in bench.OFFLINE_METHODS}
-    assert specs["none"].method == "none" and specs["ngram"].k == 3 and specs["draft"].tree is None
-    assert specs["medusa"].tree == TREES["small"] and specs["eagle"] is None and specs["eagle-tree"] is None
-    eng = Engine(tiny_model)
-    eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
-                  np.arange(64))
-    chain, tree = cli._bench_spec("eagle", args, eng), cli._bench_spec("eagle-tree", args, eng)
-    assert (chain.method, chain.k, chain.nodes) == ("eagle", 3, 0)
-    assert (tree.method, tree.k, tree.nodes, tree.topk) == ("eagle", 3, 16, 4)  # untuned head: the defaults
-
-
 @pytest.mark.parametrize("argv, match", [
     (["--methods", "none,auto"], "specjax loadbench"),
     (["--methods", "bogus"], "unknown method 'bogus'"),

@@ -14,10 +14,6 @@ from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sample, SamplingParams
 from specjax.config import SpecConfig
-from specjax.state import DecodeState, Shared
-from specjax.state import commit as _commit
-
-commit = jax.jit(_commit, static_argnames="window")
 
 BUCKETS = (8, 16)
 REF_LEN = 32  # the naive reference pads every sequence to this length: one compile
@@ -160,51 +156,6 @@ def test_cache_full_stops_rows(engine):
     assert r0.tokens == free[0].tokens[: capacity - len(PROMPTS["a"])]
     assert r1.tokens == free[1].tokens[: capacity - len(PROMPTS["b"])]
     assert r0.stop_reason == r1.stop_reason == "cache_full"
-
-
-def _state(lengths, *, capacity=8, prompt=2, max_new=100, stop=(-1,)):
-    b = len(lengths)
-    tokens = jnp.tile(jnp.arange(capacity, dtype=jnp.int32) + 100, (b, 1))
-    stop_ids = jnp.full((b, 8), -1, jnp.int32).at[:, : len(stop)].set(jnp.asarray(stop, jnp.int32))
-    return DecodeState(
-        tokens=tokens, lengths=jnp.asarray(lengths, jnp.int32),
-        prompt_lengths=jnp.full((b,), prompt, jnp.int32),
-        max_new=jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)), done=jnp.zeros((b,), bool),
-        cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b), stop_ids=stop_ids,
-        keys=jax.random.split(jax.random.key(0), b), row_forwards=jnp.zeros((b,), jnp.int32),
-        shared=Shared(forwards=jnp.zeros((), jnp.int32)),
-    )
-
-
-def test_commit_cache_full_with_one_token_window():
-    s = _state([6, 3])
-    new = jnp.asarray([[1], [2]], jnp.int32)
-    one = jnp.ones((2,), jnp.int32)
-    s, take = commit(s, new, one, window=1)
-    assert take.tolist() == [1, 1] and s.lengths.tolist() == [7, 4] and s.done.tolist() == [False, False]
-    s, take = commit(s, new, one, window=1)
-    assert s.lengths.tolist() == [8, 5] and s.done.tolist() == [True, False]  # 8 + 1 > capacity 8
-    s, take = commit(s, new, one, window=1)
-    assert take.tolist() == [0, 1] and s.lengths.tolist() == [8, 6]  # a done row takes nothing
-    assert s.tokens[0].tolist() == [100, 101, 102, 103, 104, 105, 1, 1]
-    assert s.tokens[1].tolist() == [100, 101, 102, 2, 2, 2, 106, 107]
-
-
-def test_commit_cache_full_with_wide_window():
-    """A row is done once the next `window`-token step would not fit."""
-    s, _ = commit(_state([4, 3]), jnp.asarray([[1], [2]], jnp.int32), jnp.ones((2,), jnp.int32), window=4)
-    assert s.lengths.tolist() == [5, 4] and s.done.tolist() == [True, False]  # 5 + 4 > 8 >= 4 + 4
-
-
-def test_commit_stop_budget_and_count():
-    s = _state([3, 3, 3, 3], max_new=[100, 100, 2, 100], stop=(7,))
-    new = jnp.asarray([[1, 7, 2], [1, 2, 3], [1, 2, 3], [7, 2, 3]], jnp.int32)
-    s, take = commit(s, new, jnp.asarray([3, 2, 3, 0], jnp.int32), window=3)
-    # row 0 cut after its stop token (kept); row 1 takes what was accepted; row 2 its budget of
-    # 2 - 1 already generated; row 3 accepted nothing, so its stop token does not count
-    assert take.tolist() == [2, 2, 1, 0]
-    assert s.done.tolist() == [True, False, True, False]
-    assert s.tokens[0, 3:6].tolist() == [1, 7, 105]
 
 
 # ---- compile cache and streaming -----------------------------------------------------------------

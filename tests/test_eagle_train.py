@@ -168,27 +168,6 @@ def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, 
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--conversations", "0"], "--conversations"),
-    (["--max-minutes", "-1"], "max-minutes"),
-    (["--features", "final", "--feature-layers", "1"], "feature-layers"),
-])
-def test_cli_extract_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
-    from specjax import cli
-    from specjax.engine import Engine
-
-    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
-    assert cli.main(["train-heads", "extract", "--out", str(tmp_path), *argv]) == 2
-    assert message in capsys.readouterr().err
-
-
-def test_tune_cli_rejects_a_directory_without_a_head(tmp_path, capsys):
-    from specjax import cli
-
-    assert cli.main(["tune-heads", "--eagle", str(tmp_path)]) == 2
-    assert "manifest.json" in capsys.readouterr().err
-
-
 def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model):
     """Prompt ids + the cached greedy answer, masked on the answer, cut to seq_len."""
     from specjax.train_heads import data

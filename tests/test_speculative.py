@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoder import verify
-from specjax.config import MAX_K, SpecConfig
+from specjax.config import SpecConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
@@ -22,7 +22,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.proposers import DraftModelProposer, NgramProposer, ngram
 from specjax.proposers.base import Stateless
 from specjax.sampling import Greedy, Sample, SamplingParams
-from specjax.state import DecodeState, Shared, commit
+from specjax.state import DecodeState, Shared
 from specjax.tree import chain_topology
 
 PROMPTS = [
@@ -254,21 +254,6 @@ def _state(lengths, *, capacity, max_new=100, stop=()):
         row_forwards=jnp.zeros((b,), jnp.int32), shared=Shared(forwards=jnp.zeros((), jnp.int32)))
 
 
-def test_commit_window_cache_full_and_stop():
-    """A row is done once another K+1 window would not fit; a stop inside the kept prefix cuts it."""
-    k = 3
-    new = jnp.asarray([[1, 2, 3, 4], [1, 2, 3, 4], [1, 9, 3, 4]], jnp.int32)
-    s, take = commit(_state([4, 2, 2], capacity=12, stop=(9,)), new, jnp.asarray([4, 4, 4]), window=k + 1)
-    assert take.tolist() == [4, 4, 2]
-    assert s.lengths.tolist() == [8, 6, 4]
-    assert s.done.tolist() == [False, False, True]  # 8 + 4 = 12 still fits
-    s, take = commit(s, new, jnp.asarray([1, 4, 4]), window=k + 1)
-    assert take.tolist() == [1, 4, 0]
-    assert s.lengths.tolist() == [9, 10, 4] and s.done.tolist() == [True, True, True]
-    assert s.tokens[1].tolist() == [0, 0, 1, 2, 3, 4, 1, 2, 3, 4, 0, 0]
-    assert s.tokens[2].tolist()[:6] == [0, 0, 1, 9, 0, 0]
-
-
 # ---- prompt lookup -----------------------------------------------------------------------------
 
 
@@ -325,24 +310,6 @@ def test_compile_once_per_bucket(tiny_model):
     eng.generate(other, max_new_tokens=M + 2, spec=spec, temperature=(1.3, 0.5, 0.9), top_k=(5, 0, 2),
                  top_p=0.9, seed=2)  # per-row values
     assert eng.compile_count == 4
-
-
-@pytest.mark.parametrize("kw, match", [
-    (dict(method="ngram", k=0), "k=0"),
-    (dict(method="draft", k=MAX_K + 1), f"k={MAX_K + 1}"),
-    (dict(method="ngram", k=2.5), "k=2.5"),
-    (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
-    (dict(method="ngram", ngram_min=0), "ngram_min"),
-    (dict(method="hydra"), "unknown method"),
-    (dict(method="ngram", tree="small"), "'medusa' only"),
-    (dict(method="medusa", tree="huge"), "unknown tree"),
-    (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
-    (dict(method="medusa", tree=((0,), (0,))), "twice"),
-    (dict(method="medusa", typical=(0.3, 2.0)), "typical"),
-])
-def test_bad_spec_config(kw, match):
-    with pytest.raises(ValueError, match=match):
-        SpecConfig(**kw)
 
 
 def test_bad_input_fails_before_compiling(tiny_model, eng):

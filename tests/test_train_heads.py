@@ -272,13 +272,6 @@ def test_cli_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, 
     assert message in capsys.readouterr().err
 
 
-def test_cli_rejects_a_file_as_out(tmp_path, capsys):
-    f = tmp_path / "f"
-    f.write_text("")
-    assert cli.main(["train-heads", "--out", str(f)]) == 2
-    assert "is a file" in capsys.readouterr().err
-
-
 def test_batch_must_split_over_devices(tiny_model, cycle, tmp_path):
     with pytest.raises(ValueError, match="multiple of the"):
         Trainer(HeadsConfig.for_model(tiny_model.config), tiny_model, cycle[0], None, tmp_path,

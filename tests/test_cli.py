@@ -1,0 +1,241 @@
+"""`specjax.cli`: flags onto specs and options, each command's checks before any model loads, the
+commands end to end on the tiny random model (Engine.load replaced), and the CLI's compilation cache."""
+
+import json
+
+import pytest
+
+from specjax import cli
+from specjax.config import SpecConfig
+from specjax.engine import Engine
+
+
+# ---- flags onto a SpecConfig ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], SpecConfig()),
+    (["--method", "auto"], SpecConfig()),  # auto's options come from the controller, not one spec
+    (["--method", "ngram"], SpecConfig(method="ngram", k=4)),
+    (["--method", "ngram", "--k", "6", "--ngram-min", "2", "--ngram-max", "4"],
+     SpecConfig(method="ngram", k=6, ngram_min=2, ngram_max=4)),
+    (["--method", "draft", "--k", "2", "--draft-model", "x"], SpecConfig(method="draft", k=2)),
+    (["--method", "medusa", "--k", "3"], SpecConfig(method="medusa", k=3)),
+    (["--method", "medusa", "--tree", "small"], SpecConfig(method="medusa", tree="small")),
+    (["--method", "medusa", "--tree", "[[0],[1],[0,0]]"], SpecConfig(method="medusa", tree=((0,), (1,), (0, 0)))),
+    (["--method", "medusa", "--tree", "heads"], SpecConfig(method="medusa", tree="heads")),
+    (["--method", "eagle", "--k", "3"], None),  # from the loaded head's tuning, flags overriding
+])
+def test_generate_flags_make_their_spec(argv, want):
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", *argv])
+    assert cli._spec(args) == want
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--method", "ngram", "--k", "0"], "k=0"),
+    (["--method", "ngram", "--k", "17"], "k=17"),
+    (["--method", "medusa", "--tree", "huge"], "unknown tree 'huge'"),
+    (["--method", "medusa", "--tree", "[[0],[1,0]]"], "parent"),
+    (["--method", "ngram", "--tree", "small"], "'medusa' only"),
+    (["--method", "eagle", "--nodes", "-1"], "--nodes=-1"),
+    (["--method", "draft"], "--draft-model"),
+    (["--batch-size", "0"], "--batch-size=0"),
+])
+def test_generate_bad_flags_fail_before_loading(argv, match, monkeypatch, capsys):
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["generate", "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err, err
+
+
+# ---- the commands end to end on the tiny random model ------------------------------------------------
+
+
+class _CharTokenizer:
+    """Characters as token ids (1..62); no stop tokens, no chat template."""
+
+    stop_ids = ()
+
+    def encode(self, text, *, add_bos=None):
+        return [1 + ord(c) % 62 for c in text]
+
+    def decode(self, ids, *, skip_special=False):
+        return "".join(chr(96 + int(i) % 26) for i in ids)
+
+    def decode_stream(self, *, skip_special=False):
+        tok = self
+
+        class Stream:
+            def push(self, ids):
+                return tok.decode(ids)
+
+            def flush(self):
+                return ""
+
+        return Stream()
+
+
+@pytest.fixture
+def tiny_cli(tiny_model, monkeypatch):
+    from specjax.engine import Engine
+
+    engines = []
+
+    def load(cls, name, **kw):
+        engines.append(Engine(tiny_model, _CharTokenizer(), name="tiny"))
+        return engines[-1]
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    return engines
+
+
+def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli, capsys, monkeypatch):
+    from specjax import cli, scheduler
+
+    made = []
+    init = scheduler.Scheduler.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(scheduler.Scheduler, "__init__", spy)
+    rc = cli.main(["generate", "--method", "auto", "--demo", "--repeats", "2", "--max-new-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "--- demo-config (configuration request) ---" in out and "--- demo-question (open question) ---" in out
+    lines = [ln for ln in err.splitlines() if ln.startswith(("[configuration request:", "[open question:"))]
+    assert len(lines) == 2, err
+    for ln in lines:  # a speedup with its spread over 2 runs, or no claim at all
+        assert ("x plain decoding, median of 2 (range " in ln) != ("no speculation, no speedup claimed" in ln), ln
+        assert "2 interleaved runs each, compile excluded); identical to plain 2/2]" in ln, ln
+    # auto, plain, plain, auto: each a fresh scheduler; the plain arm opts out of speculation and only
+    # the first run calibrates (the others reuse its cost model)
+    assert len(made) == 4
+    assert [all(r.opt_out for r in s.requests) for s in made] == [False, True, True, False]
+    assert all(s.costs is made[0].costs for s in made)
+    # one set of programs for both arms: everything compiled while the first scheduler prepared
+    (engine,) = tiny_cli
+    assert sum(s.compile_s > 0 for s in made) == 1
+
+
+def test_generate_auto_json_has_the_comparison(tiny_cli, capsys):
+    import json
+
+    from specjax import cli
+
+    assert cli.main(["generate", "--method", "auto", "--prompt", "abcabcabc", "--repeats", "1",
+                     "--max-new-tokens", "8", "--json", "--auto-methods", "ngram"]) == 0
+    (rec,) = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    c = rec["comparison"]
+    assert len(c["speedups"]) == len(c["auto_s"]) == len(c["plain_s"]) == 1
+    assert c["speculated"] == any(k != "none" and n for k, n in c["chunks"].items())
+    assert (c["speedup_median"] is None) == (not c["speculated"]) and rec["identical_to_plain"] is True
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--method", "auto", "--prompt", "x", "--repeats", "0"], "--repeats=0"),
+    (["--method", "auto", "--prompt", "x", "--auto-methods", "ngram,hydra"], "--auto-methods 'ngram,hydra'"),
+    (["--method", "ngram", "--prompt", "x", "--repeats", "3"], "for --method auto"),
+])
+def test_generate_auto_flags_are_checked(tiny_cli, capsys, argv, match):
+    from specjax import cli
+
+    assert cli.main(["generate", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_generate_and_loadbench_run_on_the_tiny_model(tiny_model, monkeypatch, capsys, tmp_path):
+    """The CLI's own paths end to end (the Engine.load of a tiny random model): generate with a
+    method, loadbench with plain, prompt lookup and auto."""
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, name, **kw: Engine(tiny_model, _CharTokenizer(),
+                                                                                  name="tiny")))
+    assert cli.main(["generate", "--method", "ngram", "--k", "2", "--prompt", "abcabcabc", "--json",
+                     "--max-new-tokens", "6"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["method"] == "ngram" and json.loads(line)["k"] == 2
+    out = tmp_path / "load.json"
+    assert cli.main(["loadbench", "--methods", "none,ngram,auto", "--concurrency", "1", "--max-new-tokens", "4",
+                     "--json", str(out)]) == 0
+    assert {r["method"] for r in json.loads(out.read_text())} == {"none", "ngram", "auto"}
+
+
+def test_bench_spec_of_every_method_label(tiny_model):
+    """`specjax bench`'s labels map to specs; a method with tuned settings (eagle, eagle-tree) takes
+    them from the loaded head, flags overriding."""
+    import numpy as np
+    from flax import nnx
+
+    from specjax import bench
+    from specjax.config import TREES
+    from specjax.models.eagle import EagleConfig, EagleHead
+
+    args = cli.build_parser().parse_args(["bench", "--k", "3", "--tree", "small"])
+    specs = {m: cli._bench_spec(m, args) for m in bench.OFFLINE_METHODS}
+    assert specs["none"].method == "none" and specs["ngram"].k == 3 and specs["draft"].tree is None
+    assert specs["medusa"].tree == TREES["small"] and specs["eagle"] is None and specs["eagle-tree"] is None
+    eng = Engine(tiny_model)
+    eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
+                  np.arange(64))
+    chain, tree = cli._bench_spec("eagle", args, eng), cli._bench_spec("eagle-tree", args, eng)
+    assert (chain.method, chain.k, chain.nodes) == ("eagle", 3, 0)
+    assert (tree.method, tree.k, tree.nodes, tree.topk) == ("eagle", 3, 16, 4)  # untuned head: the defaults
+
+
+# ---- training and tuning commands: their checks come before any work -------------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--conversations", "0"], "--conversations"),
+    (["--max-minutes", "-1"], "max-minutes"),
+    (["--features", "final", "--feature-layers", "1"], "feature-layers"),
+])
+def test_cli_extract_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
+    from specjax import cli
+    from specjax.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["train-heads", "extract", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_cli_rejects_a_directory_without_a_head(tmp_path, capsys):
+    from specjax import cli
+
+    assert cli.main(["tune-heads", "--eagle", str(tmp_path)]) == 2
+    assert "manifest.json" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_file_as_out(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("")
+    assert cli.main(["train-heads", "--out", str(f)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+# ---- the compilation cache ---------------------------------------------------------------------------
+
+
+def test_the_cli_keeps_compiled_programs_under_the_specjax_cache(monkeypatch, tmp_path):
+    import jax
+    from jax._src import compilation_cache
+
+    from specjax import cli
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)  # the test session's own cache (conftest)
+        monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "0")
+        assert cli.compile_cache() is None and jax.config.jax_compilation_cache_dir is None
+        monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "1")
+        assert cli.compile_cache() == str(tmp_path / "jax-compile")
+        assert [getattr(jax.config, k) for k in keys] == [str(tmp_path / "jax-compile"), 0.0, -1]
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # JAX's own setting wins
+        assert cli.compile_cache() == str(tmp_path / "mine")
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()

@@ -1,0 +1,71 @@
+"""`specjax.config`: `SpecConfig`'s checks and what it derives (tree, k, window, n-gram table), and the
+`--tree` flag's parser."""
+
+import pytest
+
+from specjax.config import MAX_K, TREES, SpecConfig, parse_tree
+from specjax.ngram_table import TableConfig
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(method="ngram", k=0), "k=0"),
+    (dict(method="draft", k=MAX_K + 1), f"k={MAX_K + 1}"),
+    (dict(method="ngram", k=2.5), "k=2.5"),
+    (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
+    (dict(method="ngram", ngram_min=0), "ngram_min"),
+    (dict(method="hydra"), "unknown method"),
+    (dict(method="ngram", tree="small"), "'medusa' only"),
+    (dict(method="medusa", tree="huge"), "unknown tree"),
+    (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
+    (dict(method="medusa", tree=((0,), (0,))), "twice"),
+    (dict(method="medusa", typical=(0.3, 2.0)), "typical"),
+])
+def test_bad_spec_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(method="ngram", k=-1), r"k=-1: must be an integer in \[1, 16\]"),
+    (dict(method="medusa", tree="huge"), "unknown tree 'huge': use one of chain4, small, medium"),
+    (dict(method="eagle", k=3, nodes=65), "nodes=65: at most 64"),
+    (dict(method="eagle", k=3, nodes=2.5), "nodes=2.5"),
+    (dict(method="eagle", k=3, topk=0), "topk=0"),
+    (dict(method="ngram", ngram_table=-1), "ngram_table=-1"),
+    (dict(typical=(0.3, 0.1)), "give a speculative method"),
+])
+def test_bad_options_name_themselves(kw, match):
+    """Each refusal is a ValueError naming the option and its bad value."""
+    with pytest.raises(ValueError, match=match):
+        SpecConfig(**kw)
+
+
+def test_trees_resolve_and_set_k_and_the_window():
+    named = SpecConfig(method="medusa", tree="small")
+    assert named.tree == TREES["small"] and named.k == 4 and named.window == len(TREES["small"]) + 1
+    assert named.is_tree and named == SpecConfig(method="medusa", tree=TREES["small"], k=2)  # k from the tree
+    listed = SpecConfig(method="medusa", tree=[[0], [1], [0, 0]])  # as JSON gives it
+    assert listed.tree == ((0,), (1,), (0, 0)) and listed.k == 2 and listed.window == 4
+    hash(listed)  # jit-static: hashable once normalised
+    chain = SpecConfig(method="ngram", k=3)
+    assert not chain.is_tree and chain.window == 4
+    assert SpecConfig(method="eagle", k=3, nodes=8).window == 9
+    heads = SpecConfig(method="medusa", tree="heads")
+    assert heads.tree == "heads"
+    with pytest.raises(ValueError, match="resolved by the Engine"):
+        heads.window
+
+
+def test_parse_tree():
+    assert parse_tree(None) is None
+    assert parse_tree("small") == "small"  # a name: SpecConfig resolves it
+    assert parse_tree(" [[0], [1], [0, 0]]") == ((0,), (1,), (0, 0))
+    assert SpecConfig(method="medusa", tree=parse_tree("[[0],[0,0]]")).k == 2
+
+
+def test_table_config():
+    assert SpecConfig(method="ngram", k=4).table_config() is None  # off by default
+    spec = SpecConfig(method="ngram", k=4, ngram_table=128, ngram_min=1, ngram_max=3)
+    assert spec.table_config() == TableConfig(size=128, width=4, min_n=2, max_n=3)  # no 1-grams across requests
+    assert spec.table_config(width=6).width == 6 and spec.table_config(width=2).width == 4
+    assert SpecConfig(method="ngram", ngram_table=8, ngram_min=1, ngram_max=1).table_config().min_n == 1
