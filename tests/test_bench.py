@@ -53,7 +53,7 @@ def test_records(results):
     assert all(r["tau"] > 1.0 for r in records if r["method"] == "ngram" and r["task"] == "copy")
     json.dumps(records)
     auto = [r for r in run_rows if r["method"] == "auto"]
-    assert all("cost_s_per_step" in r and "none:0" in r["cost_s_per_step"] for r in auto)
+    assert all("cost_s_per_step" in r and "none" in r["cost_s_per_step"] and "ngram:4" in r["cost_s_per_step"] for r in auto)
     for r in run_rows:  # every chunk's decision, in order
         log = r["chunk_log"]
         assert sum(r["chunks"].values()) == len(log) and all(a["start_s"] <= b["start_s"] for a, b in zip(log, log[1:]))
