@@ -271,7 +271,7 @@ def _generate_auto(args, opts, prompts) -> int:
             m in methods if methods is not None else bool(_given(args, m) or rec.shipped(engine.name)))
 
     _load_assets(engine, args, [m for m in AUTO_METHODS if wanted(m)])
-    ccfg, named = loadbench.with_assets(engine, ControllerConfig())
+    ccfg = loadbench.with_assets(engine, ControllerConfig())
     if methods is not None:  # the assets' options are in `extra`; `methods` keeps prompt lookup if chosen
         ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in ccfg.methods if m in methods))
     texts = [p.text for p in prompts]
@@ -282,13 +282,13 @@ def _generate_auto(args, opts, prompts) -> int:
 
     def serve(plain: bool, show: bool):
         s = Scheduler(engine, slots=slots, spec="auto", controller=ccfg, opts=opts, chat=args.chat,
-                      auto_specs=named, max_prompt_tokens=longest, costs=costs)
+                      max_prompt_tokens=longest, costs=costs)
         for p in prompts:
             s.submit(p.text, task=p.task, opt_out=plain)
         t0, compiles = time.perf_counter(), engine.compile_count
         s.prepare()
         if costs is None:
-            log(f"[auto's options {', '.join(f'{m}:{k}' for m, k in s.options)}: {engine.compile_count - compiles} "
+            log(f"[auto's options {', '.join(o.label for o in s.options)}: {engine.compile_count - compiles} "
                 f"programs ready in {s.compile_s:.1f} s (traced, then compiled or read from the compilation "
                 f"cache), step costs calibrated in {time.perf_counter() - t0 - s.compile_s:.1f} s]")
         if show:
@@ -462,16 +462,15 @@ def cmd_loadbench(args) -> int:
     _load_assets(engine, args, [m for m in RECORDS if m in used or _given(args, m) or (
         "auto" in plan.methods and RECORDS[m].tuned is not None and RECORDS[m].shipped(engine.name))])
     specs.update({m: engine.tuned(m) for m in used if registry.record(m).tuned is not None})
-    auto, auto_specs = loadbench.with_assets(engine, plan.auto, specs)
+    auto = loadbench.with_assets(engine, plan.auto, specs)
     plan = dataclasses.replace(plan, auto=auto)
     if not args.file_order:
         prompts = loadbench.interleave(prompts)
     print(f"model {engine.config.name}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"methods {', '.join(plan.methods)}, concurrency {plan.concurrency}, "
           f"{'Poisson %.2f req/s' % plan.rate if plan.rate else 'closed loop'}", file=sys.stderr)
-    print(f"auto chooses among {', '.join(f'{m}:{k}' for m, k in plan.auto.options)}", file=sys.stderr)
-    req_rows, run_rows = loadbench.run(engine, prompts, plan, opts, chat=args.chat, specs=specs,
-                                       auto_specs=auto_specs)
+    print(f"auto chooses among {', '.join(o.label for o in plan.auto.options)}", file=sys.stderr)
+    req_rows, run_rows = loadbench.run(engine, prompts, plan, opts, chat=args.chat, specs=specs)
     records = loadbench.summarize(req_rows, run_rows)
     print(loadbench.markdown(records))
     if phases:
@@ -521,12 +520,12 @@ def cmd_serve(args) -> int:
     _load_assets(engine, args, [m for m in RECORDS if RECORDS[m].load is not None and (
         args.method == m or m in auto_methods and (_given(args, m) or RECORDS[m].shipped(engine.name)))])
     m2 = memory_now()
-    ccfg, named, spec = None, None, None
+    ccfg, spec = None, None
     if args.method == "auto":
         lookups = [m for m in AUTO_METHODS if registry.looks_up(m)]
         if not auto_methods & set(lookups):
             raise ValueError(f"--auto-methods must include {' or '.join(lookups)} (auto's cheapest option)")
-        ccfg, named = loadbench.with_assets(engine, ControllerConfig(max_step_cost=args.auto_max_step_cost))
+        ccfg = loadbench.with_assets(engine, ControllerConfig(max_step_cost=args.auto_max_step_cost))
     elif args.method != "none":
         spec = tuned_spec(engine, args.method, args) if registry.record(args.method).tuned is not None else _spec(args)
     sizes = None
@@ -534,12 +533,12 @@ def cmd_serve(args) -> int:
         sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
     sched = srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
                               max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
-                              chunk=args.chunk, batch_sizes=sizes, controller=ccfg, auto_specs=named)
+                              chunk=args.chunk, batch_sizes=sizes, controller=ccfg)
     config = srv.ServeConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                              request_timeout=args.request_timeout, share_ngram_table=args.share_ngram_table)
     server = srv.Server(sched, config, startup_memory={"weights": memory_added(m0, m1),
                                                        "draft_weights": memory_added(m1, m2)})
-    print(f"specjax serve: {config.model_name} ({', '.join(o[0] if not o[1] else f'{o[0]}:{o[1]}' for o in sched.options)}), "
+    print(f"specjax serve: {config.model_name} ({', '.join(o.label for o in sched.options)}), "
           f"{args.slots} slots, on http://{args.host}:{args.port}/v1 (GET /health is 200 once compiled)",
           file=sys.stderr, flush=True)
     return srv.run(server, host=args.host, port=args.port, drain_timeout=args.drain_timeout)

@@ -24,7 +24,7 @@ import math
 import statistics
 from typing import Mapping, Sequence
 
-PLAIN_LABEL = "none"  # the scheduler's label of a plain chunk (`scheduler._label(PLAIN)`)
+PLAIN_LABEL = "none"  # the label of a plain chunk (`SpecConfig().label`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

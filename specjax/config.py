@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from specjax.ngram_table import TableConfig
 from specjax.proposers import registry
@@ -20,9 +21,10 @@ def parse_tree(text: str | None) -> Tree | str | None:
     return text
 
 
+@functools.total_ordering
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpecConfig:
-    """How to speculate.
+    """How to speculate; also the auto scheduler's option (hashable; `SpecConfig()` is plain).
 
     Attributes:
       method: none (the plain loop) or the name of a method's record in
@@ -46,6 +48,10 @@ class SpecConfig:
       typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
         the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
         distribution.
+
+    As an option of the auto controller (`specjax.controller`), a spec is named by its `label`
+    ("none", "ngram:4", "medusa-tree:3", "eagle-tree:4"), keeps its acceptance statistics under its
+    `kind` and commits at most `depth` drafts per step.
     """
 
     method: str = "none"
@@ -104,6 +110,36 @@ class SpecConfig:
     @property
     def is_tree(self) -> bool:
         return self.tree is not None or bool(self.nodes)
+
+    @property
+    def kind(self) -> str:
+        """The option's family: "none" (plain), the method for a chain, the method with "-tree" for
+        a tree ("medusa-tree", "eagle-tree"); the auto controller keeps acceptance per kind."""
+        if self.method == "none":
+            return "none"
+        return f"{self.method}-tree" if self.is_tree else self.method
+
+    @property
+    def depth(self) -> int:
+        """The most drafts one step can accept: 0 for plain, k for a chain, the tree's depth."""
+        return 0 if self.method == "none" else int(self.k)
+
+    @property
+    def label(self) -> str:
+        """A short stable name ("none", "ngram:4", "medusa-tree:3"; "medusa-tree:heads" before
+        `Engine.resolve`), used in chunk logs, telemetry and metrics."""
+        if self.method == "none":
+            return "none"
+        return f"{self.kind}:{self.tree if self.tree == HEADS_TREE else self.depth}"
+
+    def _order(self) -> tuple[str, str]:
+        return self.label, repr(self)
+
+    def __lt__(self, other):
+        """A total order (by label), so that dicts keyed by specs are JAX pytrees (sorted keys)."""
+        if not isinstance(other, SpecConfig):
+            return NotImplemented
+        return self._order() < other._order()
 
     @property
     def window(self) -> int:

@@ -36,11 +36,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from specjax.config import MAX_K
+from specjax.config import MAX_K, SpecConfig
 from specjax.proposers import registry
 
-Option = tuple[str, int]  # (method, K); ("none", 0) is the plain loop
-PLAIN: Option = ("none", 0)
+PLAIN = SpecConfig()  # the plain loop; every other option is a speculative SpecConfig
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -59,7 +58,7 @@ class ControllerConfig:
 
     Attributes:
       ks: the compiled speculation lengths to choose from; 0 is the plain loop (always included).
-      methods: proposers the controller may use with each K > 0 (default: prompt lookup alone,
+      methods: proposers the controller may use with each K > 0, as `SpecConfig(method=m, k=K)` (default: prompt lookup alone,
         the methods that look their context up, `registry.looks_up`); stateful ones (a draft
         model's cache) go stale across plain chunks.
       margin: speculate only when the expected gain is at least 1 + margin.
@@ -68,8 +67,9 @@ class ControllerConfig:
         draft attempts.
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
-      extra: more (method, K) options, e.g. Medusa's chain of 3 when only some K suit a method
-        (`specjax.loadbench.with_assets` adds them from the loaded assets' records).
+      extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
+        some K suit a method, or a tree (`specjax.loadbench.with_assets` adds them from the loaded
+        assets' records).
       max_step_cost: a bound on inter-token latency: options whose step costs more than this many
         plain steps at the chunk's batch size are never chosen (None: no bound). A verify step
         that is 1.3x a plain step at batch 1 can be 2-4x at batch 16 on a compute-bound machine;
@@ -87,7 +87,7 @@ class ControllerConfig:
     prior_weight: float = 4.0
     probe_every: int = 16
     probe_bonus: float = 1.0
-    extra: tuple[Option, ...] = ()
+    extra: tuple[SpecConfig, ...] = ()
     max_step_cost: float | None = None
     replay_ngram: bool = True
 
@@ -96,6 +96,9 @@ class ControllerConfig:
             raise ValueError(f"ks={self.ks}: give integers >= 0 (0 = plain)")
         if "none" in self.methods or not (self.methods or self.extra):
             raise ValueError(f"methods={self.methods}: give speculative methods (e.g. 'ngram')")
+        bad = [o for o in self.extra if not isinstance(o, SpecConfig) or o.method == "none"]
+        if bad:
+            raise ValueError(f"extra={bad}: give speculative SpecConfigs (e.g. SpecConfig(method='medusa', k=3))")
         if not 0 <= self.prior_alpha <= 1 or self.prior_weight < 0:
             raise ValueError("prior_alpha must lie in [0, 1] and prior_weight be >= 0")
         if not 0 < self.decay <= 1:
@@ -106,20 +109,21 @@ class ControllerConfig:
             raise ValueError(f"max_step_cost={self.max_step_cost}: must be >= 1 (plain steps)")
 
     @property
-    def options(self) -> tuple[Option, ...]:
+    def options(self) -> tuple[SpecConfig, ...]:
+        """Plain, then each method at each K > 0, then `extra` (each option once)."""
         spec = sorted({int(k) for k in self.ks if k > 0})
-        opts = tuple((m, k) for m in self.methods for k in spec)
-        return (PLAIN,) + opts + tuple(o for o in self.extra if o not in opts and o[1] > 0)
+        opts = tuple(SpecConfig(method=m, k=k) for m in self.methods for k in spec)
+        return tuple(dict.fromkeys((PLAIN,) + opts + tuple(self.extra)))
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds per target step of each option, measured at one batch shape."""
 
-    seconds: dict[Option, float]
+    seconds: dict[SpecConfig, float]
     batch: int = 1
 
-    def relative(self, option: Option) -> float:
+    def relative(self, option: SpecConfig) -> float:
         """Cost of one step of `option` in plain steps."""
         return self.seconds[option] / self.seconds[PLAIN]
 
@@ -176,13 +180,13 @@ class Acceptance:
 class Plan:
     """The choice for one chunk: the option, its expected gain over plain, and why."""
 
-    option: Option
+    option: SpecConfig
     gain: float
     reason: str  # "gain" | "no_gain" | "opt_out" | "probe" | "idle"
 
     @property
     def k(self) -> int:
-        return self.option[1]
+        return self.option.depth
 
 
 class Controller:
@@ -190,15 +194,16 @@ class Controller:
 
     Rows are identified by any hashable id (the scheduler uses request ids). Statistics per task
     class persist after a row leaves, and seed the estimate of the next row of the same class.
+    Options are `SpecConfig`s; evidence is kept per option `kind` (the method, or "medusa-tree").
 
     Example:
       >>> (lookup,) = ControllerConfig().methods  # prompt lookup
-      >>> cost = CostModel({("none", 0): 1.0, (lookup, 2): 1.2, (lookup, 4): 1.4, (lookup, 8): 1.8})
+      >>> cost = CostModel({PLAIN: 1.0, **{SpecConfig(method=lookup, k=k): c for k, c in ((2, 1.2), (4, 1.4), (8, 1.8))}})
       >>> c = Controller(ControllerConfig(), cost)
       >>> c.add_row("r1", task="translation")
       >>> c.observe("r1", lookup, accepted_per_position=[9, 8, 7, 6], steps=10)
-      >>> c.choose(["r1"]).option
-      ('ngram', 8)
+      >>> c.choose(["r1"]).option.label
+      'ngram:8'
     """
 
     def __init__(self, config: ControllerConfig, cost: CostModel):
@@ -219,7 +224,8 @@ class Controller:
 
     def observe(self, row: Hashable, method: str, accepted_per_position: Sequence[int],
                 steps: int) -> None:
-        """Adds one chunk's counters of `row` (speculated with `method`) to its estimates."""
+        """Adds one chunk's counters of `row` (speculated with an option of kind `method`, its
+        `SpecConfig.kind`) to its estimates."""
         if steps <= 0 or len(accepted_per_position) == 0:
             return
         r = self.rows[row]
@@ -263,26 +269,26 @@ class Controller:
         return acc.alpha(self.task_alpha(r["task"], method), self.config.prior_weight)
 
     # ---- decisions -------------------------------------------------------------------------
-    def expected(self, row: Hashable, option: Option, *, optimistic: bool = False) -> float:
+    def expected(self, row: Hashable, option: SpecConfig, *, optimistic: bool = False) -> float:
         """Expected tokens per step of `row` under `option`."""
         if option == PLAIN:
             return 1.0
-        return expected_tokens_rates(self.rates(row, option[0], optimistic=optimistic), option[1])
+        return expected_tokens_rates(self.rates(row, option.kind, optimistic=optimistic), option.depth)
 
-    def gain(self, rows: Sequence[Hashable], option: Option, *, optimistic: bool = False) -> float:
+    def gain(self, rows: Sequence[Hashable], option: SpecConfig, *, optimistic: bool = False) -> float:
         """Expected batch throughput of `option` over plain, for these active rows."""
         if option == PLAIN or not rows:
             return 1.0
         tokens = sum(self.expected(r, option, optimistic=optimistic) for r in rows)
         return tokens / len(rows) / self.cost.relative(option)
 
-    def allowed(self) -> list[Option]:
+    def allowed(self) -> list[SpecConfig]:
         """The speculative options within `max_step_cost` at the current cost model's batch size."""
         bound = self.config.max_step_cost
         return [o for o in self.config.options
                 if o != PLAIN and (bound is None or self.cost.relative(o) <= bound)]
 
-    def best(self, rows: Sequence[Hashable], *, optimistic: bool = False) -> tuple[Option, float]:
+    def best(self, rows: Sequence[Hashable], *, optimistic: bool = False) -> tuple[SpecConfig, float]:
         """The speculative option of highest expected gain, and that gain."""
         gains = {o: self.gain(rows, o, optimistic=optimistic) for o in self.allowed()}
         if not gains:
@@ -290,7 +296,7 @@ class Controller:
         option = max(gains, key=gains.get)
         return option, gains[option]
 
-    def choose_row(self, row: Hashable) -> Option:
+    def choose_row(self, row: Hashable) -> SpecConfig:
         """The option this row alone would run (plain for an opted-out row)."""
         if self.rows[row]["opt_out"]:
             return PLAIN

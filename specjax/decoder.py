@@ -45,7 +45,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import acceptance, sampling, sharding, tree
-from specjax.tree import chain
+from specjax.proposers.base import Proposer
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
@@ -56,13 +56,11 @@ MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
 
 
-def proposer_topology(proposer) -> tree.Topology | tree.DynamicTopology:
-    """The verify window a proposer drafts: its static tree (a chain of K for chain proposers), or
-    the node budget of a tree it builds each step (`tree.DynamicTopology`)."""
-    dynamic = getattr(proposer, "topology", None)
-    if dynamic is not None:
-        return dynamic
-    return tree.topology(getattr(proposer, "paths", None) or chain(proposer.k))
+def proposer_topology(proposer: Proposer) -> tree.Topology | tree.DynamicTopology:
+    """The verify window a proposer drafts (its declared `Proposer.topology`): its static tree (a
+    chain of K for chain proposers), or the node budget of a tree it builds each step
+    (`tree.DynamicTopology`)."""
+    return proposer.topology
 
 
 def window_of(proposer) -> int:
@@ -245,7 +243,7 @@ class Decoder:
     Attributes:
       cache_length: KV cache slots S per row (see `cache_length`); a row is done once another
         window would not fit.
-      proposer: a draft proposer (`specjax.proposers`), or None for the plain loop.
+      proposer: a draft proposer (a `specjax.proposers.Proposer`), or None for the plain loop.
       acceptance: the acceptance rule (`specjax.acceptance`); None picks the lossless default for
         the sampling method and the window's shape (`acceptance.default_rule`).
       sampling: `sampling.Greedy()` (argmax) or `sampling.Sample()` (per-row temperature / top-k /
@@ -255,12 +253,15 @@ class Decoder:
     """
 
     cache_length: int
-    proposer: Any = None
+    proposer: Proposer | None = None
     acceptance: Any = None
     sampling: Sampling | str = sampling.Greedy()
     ngram_table: TableConfig | None = None
 
     def __post_init__(self):
+        if self.proposer is not None and not isinstance(self.proposer, Proposer):
+            raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
+                            "taps, init, propose and reconcile (specjax.proposers.base)")
         object.__setattr__(self, "sampling", sampling.method(self.sampling))
         if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
             raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
@@ -284,7 +285,7 @@ class Decoder:
     @property
     def taps(self) -> tuple[int, ...]:
         """Target layers whose input the proposer reads (an EAGLE-3 head's fused features)."""
-        return tuple(getattr(self.proposer, "taps", ()) or ())
+        return () if self.proposer is None else tuple(self.proposer.taps)
 
     @property
     def window(self) -> int:

@@ -101,8 +101,7 @@ def interleave(prompts: Sequence) -> list:
 
 
 def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
-        specs: dict[str, SpecConfig] | None = None, auto_specs: dict[str, SpecConfig] | None = None,
-        progress: bool = True) -> tuple[list, list]:
+        specs: dict[str, SpecConfig] | None = None, progress: bool = True) -> tuple[list, list]:
     """Runs every (concurrency, repeat, method) over `prompts` (objects with `.text` and `.task`;
     text may be token ids). Returns per-request rows and per-run rows."""
     from tqdm import tqdm
@@ -129,7 +128,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                     spec = "auto" if m == "auto" else specs.get(m, SpecConfig(method=m))
                     s = Scheduler(engine, slots=c, spec=spec, controller=plan.auto, opts=opts,
                                   chunk=plan.chunk, chat=chat, max_prompt_tokens=longest,
-                                  auto_specs=auto_specs, batch_sizes=plan.batch_sizes)
+                                  batch_sizes=plan.batch_sizes)
                     for p, t in zip(prompts, arrivals):
                         s.submit(p.text, task=p.task, arrival=t)
                     telemetry.reset_peak_memory()  # the resident peak of this run only (Linux)
@@ -162,9 +161,9 @@ def _run_row(s, method: str, c: int, rep: int) -> dict:
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                **telemetry.peak_memory())
     if s.cost is not None:
-        row["cost_s_per_step"] = {f"{o[0]}:{o[1]}": t for o, t in s.cost.seconds.items()}
+        row["cost_s_per_step"] = {o.label: t for o, t in s.cost.seconds.items()}
         row["cost_s_per_step_by_batch_size"] = {
-            size: {f"{o[0]}:{o[1]}": t for o, t in c.seconds.items()} for size, c in s.costs.items()}
+            size: {o.label: t for o, t in c.seconds.items()} for size, c in s.costs.items()}
         row["acceptance"] = s.controller.summary()
     return row
 
@@ -299,10 +298,9 @@ def telemetry_rows(req_rows: list[dict]) -> list[dict]:
     return out
 
 
-def with_assets(engine, auto: ControllerConfig, given: dict[str, SpecConfig] | None = None):
+def with_assets(engine, auto: ControllerConfig, given: dict[str, SpecConfig] | None = None) -> ControllerConfig:
     """Adds to the auto controller's options what the engine's loaded assets allow (each record's
-    `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree); `given` maps a method to
-    the spec given for it (a Medusa tree). Returns the config and the labelled specs."""
-    extra, named = registry.auto_options(engine.assets, auto.ks, given)
-    extra = tuple(o for o in extra if o not in auto.extra)
-    return dataclasses.replace(auto, extra=auto.extra + extra), {k: SpecConfig(**f) for k, f in named.items()}
+    `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree), as `SpecConfig`s in
+    `extra`; `given` maps a method to the spec given for it (a Medusa tree)."""
+    extra = tuple(SpecConfig(**f) for f in registry.auto_options(engine.assets, auto.ks, given))
+    return dataclasses.replace(auto, extra=tuple(dict.fromkeys(auto.extra + extra)))

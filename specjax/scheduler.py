@@ -51,7 +51,7 @@ from jaxtyping import Array, Int
 from specjax import decoder as core
 from specjax import sharding, slots as slot_ops, telemetry
 from specjax.config import SpecConfig
-from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Option, Plan
+from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
 from specjax.decoder import Decoder, Inputs, State, Stats
 from specjax.slots import HostView, Slots
 from specjax.state import DecodeState
@@ -61,10 +61,6 @@ from specjax.proposers.ngram import HostLookup, replay
 from specjax.telemetry import SpecCounters, StopReason
 
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
-
-
-def _label(o: Option) -> str:
-    return o[0] if o == PLAIN else f"{o[0]}:{o[1]}"
 
 
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
@@ -100,7 +96,7 @@ class Request:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    speculation: Option | None = None  # the one option it may speculate with (None: any)
+    speculation: SpecConfig | None = None  # the one option it may speculate with (None: any)
     tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
     stream: int | None = None  # its random stream's row index (None: its id)
     stop_ids: tuple[int, ...] = ()  # its stop tokens
@@ -163,9 +159,6 @@ class Scheduler:
       chat: wrap string prompts in the chat template.
       max_prompt_tokens: the longest prompt to accept; default: the longest one submitted before
         the first step (it fixes the cache length).
-      auto_specs: for "auto", the `SpecConfig` behind an option's method label when it is not
-        simply `SpecConfig(method=label, k=K)`; e.g. a Medusa tree, labelled medusa-tree, with
-        ("medusa-tree", depth) in `ControllerConfig.extra` (`specjax.loadbench.with_assets`).
       batch_sizes: batch sizes a chunk may run at (each <= slots; slots is always one). With more
         than one, running rows are kept packed at the front (a finished row's slot takes the last
         running row) and each chunk runs on the smallest size that holds them, so a light load pays
@@ -188,7 +181,7 @@ class Scheduler:
     def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
                  controller: ControllerConfig | None = None, opts: GenerateOptions = GenerateOptions(),
                  chunk: int = 8, chat: bool = False, max_prompt_tokens: int | None = None,
-                 auto_specs: dict[str, SpecConfig] | None = None, ngram_table: int | None = None,
+                 ngram_table: int | None = None,
                  batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
                  history: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  costs: dict[int, CostModel] | None = None):
@@ -207,16 +200,15 @@ class Scheduler:
         if isinstance(spec, str):
             if spec != "auto":
                 raise ValueError(f"spec={spec!r}: give a SpecConfig or 'auto'")
-            self.ccfg = controller or ControllerConfig()
-            named = auto_specs or {}
-            self.specs = {o: resolve(named.get(o[0]) or SpecConfig(method=o[0], k=o[1]))
-                          for o in self.ccfg.options if o != PLAIN}
+            ccfg = controller or ControllerConfig()  # its options resolved: one key per option
+            self.ccfg = dataclasses.replace(ccfg, extra=tuple(map(resolve, ccfg.extra)))
+            self.specs = {o: o for o in self.ccfg.options if o != PLAIN}
         else:
             self.ccfg = None
             spec = resolve(spec)
-            self.specs = {} if spec.method == "none" else {(spec.method, spec.k): spec}
-        self.options: tuple[Option, ...] = ((PLAIN,) if self.ccfg or not self.specs or with_plain else ()) + tuple(self.specs)
-        self.fixed: Option = next(iter(self.specs), PLAIN)  # a fixed spec's option
+            self.specs = {} if spec.method == "none" else {spec: spec}
+        self.options: tuple[SpecConfig, ...] = ((PLAIN,) if self.ccfg or not self.specs or with_plain else ()) + tuple(self.specs)
+        self.fixed: SpecConfig = next(iter(self.specs), PLAIN)  # a fixed spec's option
         # built once (raises before compiling: heads missing, k too large, ...)
         self._built = {o: engine.proposer(s) for o, s in self.specs.items()}
         lookups = [s for s in self.specs.values() if registry.looks_up(s.method)]
@@ -260,14 +252,14 @@ class Scheduler:
                arrival: float | None = None, opt_out: bool = False, contribute: bool = True,
                max_new_tokens: int | None = None,
                seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
-               top_p: float | None = None, speculation: Option | None = None, tenant: int = 0,
+               top_p: float | None = None, speculation: SpecConfig | None = None, tenant: int = 0,
                stop_ids: Sequence[int] = (), stream: int | None = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
         lands in. Sampling values default to the scheduler's options. `opt_out`: never speculated
         on; `contribute=False` (implied by opt_out): its text never enters the n-gram table.
-        `speculation`: the one option (method, K) of `options` it may speculate with (chunks
+        `speculation`: the one option (a `SpecConfig`) of `options` it may speculate with (chunks
         while it runs use that option, or plain when running requests name different ones).
         `tenant`: the scope of the n-gram table it reads and writes (the table never proposes one
         tenant's text to another). `stop_ids`: stop tokens besides the scheduler's. `stream`: the
@@ -293,9 +285,12 @@ class Scheduler:
                              f"{self.bucket}; pass max_prompt_tokens= when creating it")
         if opt_out and PLAIN not in self.options:
             raise ValueError("opt_out needs the plain loop: create the scheduler with with_plain=True")
-        if speculation is not None and tuple(speculation) not in self.options:
-            raise ValueError(f"speculation {_label(tuple(speculation))}: this scheduler runs "
-                             f"{', '.join(map(_label, self.options))}")
+        if speculation is not None and not isinstance(speculation, SpecConfig):
+            raise ValueError(f"speculation={speculation!r}: give a SpecConfig, one of this scheduler's options")
+        speculation = None if speculation is None else self.engine.resolve(speculation)
+        if speculation is not None and speculation not in self.options:
+            raise ValueError(f"speculation {speculation.label}: this scheduler runs "
+                             f"{', '.join(o.label for o in self.options)}")
         stops = tuple(dict.fromkeys([*self.engine.stop_ids(self.opts), *map(int, stop_ids)]))
         if len(stops) > core.MAX_STOP_IDS:
             raise ValueError(f"{len(stops)} stop tokens (the model's included): at most {core.MAX_STOP_IDS}")
@@ -306,7 +301,7 @@ class Scheduler:
             raise ValueError(f"seed={seed}: must be an integer in [0, 2**32)")
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
                       opt_out=opt_out, contribute=contribute and not opt_out, seed=int(seed),
-                      speculation=None if speculation is None else tuple(speculation), tenant=int(tenant),
+                      speculation=speculation, tenant=int(tenant),
                       stop_ids=stops, stream=None if stream is None else int(stream), **sp)
         self._next_id += 1
         self.requests.append(req)
@@ -507,7 +502,7 @@ class Scheduler:
         a one-step warm-up, and the median per option is kept.
         """
         busy = self._placeholders(max_new=self.cache_length)
-        ts: dict[Option, list[float]] = {o: [] for o in self.options}
+        ts: dict[SpecConfig, list[float]] = {o: [] for o in self.options}
         for _ in range(repeats):
             for o in self.options:
                 w = self.decoders[o].window
@@ -525,7 +520,7 @@ class Scheduler:
         return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
                          batch=size or self.b)
 
-    def _run_loop(self, o: Option, state, pstates, start: int, n: int, *, size: int | None = None):
+    def _run_loop(self, o: SpecConfig, state, pstates, start: int, n: int, *, size: int | None = None):
         """Runs option `o` on the first `size` rows (default: all) until the batch's step counter,
         `start` now, reaches `start + n` or every row is done; returns the states and the chunk's
         counters (device arrays, `size` rows)."""
@@ -656,13 +651,13 @@ class Scheduler:
         for r in active:
             tasks[str(r.task)] = tasks.get(str(r.task), 0) + 1
         self.chunk_log.append(telemetry.ChunkRecord(
-            start_s=start, seconds=self.clock() - t0, option=_label(o), reason=plan.reason,
+            start_s=start, seconds=self.clock() - t0, option=o.label, reason=plan.reason,
             expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
             batch_size=size, steps=steps))
         tokens, lengths, done, fwd = view.tokens, view.lengths, view.done, view.row_forwards
         pad = lambda x: np.concatenate([x, np.zeros((self.b - size,) + x.shape[1:], x.dtype)])
         stats = jax.tree.map(pad, view.stats)  # rows past the chunk's size: zeros
-        label = _label(o)
+        label = o.label
         for req in active:
             i = req.slot
             new = tokens[i, self._lengths[i]: lengths[i]].tolist()
@@ -675,8 +670,8 @@ class Scheduler:
             if chunk.num_drafts:
                 req.counters.merge(chunk)
                 if self.controller is not None:
-                    self.controller.observe(req.id, o[0], chunk.accepted_tokens_per_pos, chunk.num_drafts)
-            self._replay(req, real=self._replay_spec is not None and o[0] == self._replay_spec.method)
+                    self.controller.observe(req.id, o.kind, chunk.accepted_tokens_per_pos, chunk.num_drafts)
+            self._replay(req, real=self._replay_spec is not None and o.kind == self._replay_spec.kind)
             if done[i]:
                 self._finish(req, t, int(fwd[i]))
         self._pack()
@@ -710,7 +705,7 @@ class Scheduler:
             return
         kept, steps = replay(lookup, committed)
         if steps:
-            self.controller.observe(req.id, self._replay_spec.method, kept, steps)
+            self.controller.observe(req.id, self._replay_spec.kind, kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)

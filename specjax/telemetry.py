@@ -77,7 +77,7 @@ class ChunkRecord:
 
     start_s: float  # from the run's start
     seconds: float
-    option: str  # "none" or "method:K"
+    option: str  # the option's `SpecConfig.label`: "none", "ngram:4", "medusa-tree:3", ...
     reason: str  # "fixed" | "gain" | "no_gain" | "opt_out" | "probe" | "idle"
     expected_gain: float  # the controller's expected throughput over plain
     rows: int  # active rows

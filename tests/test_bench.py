@@ -53,7 +53,7 @@ def test_records(results):
     assert all(r["tau"] > 1.0 for r in records if r["method"] == "ngram" and r["task"] == "copy")
     json.dumps(records)
     auto = [r for r in run_rows if r["method"] == "auto"]
-    assert all("cost_s_per_step" in r and "none:0" in r["cost_s_per_step"] for r in auto)
+    assert all("cost_s_per_step" in r and "none" in r["cost_s_per_step"] and "ngram:4" in r["cost_s_per_step"] for r in auto)
     for r in run_rows:  # every chunk's decision, in order
         log = r["chunk_log"]
         assert sum(r["chunks"].values()) == len(log) and all(a["start_s"] <= b["start_s"] for a, b in zip(log, log[1:]))
@@ -128,11 +128,12 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
                         rngs=nnx.Rngs(0))
     eng = Engine(tiny_model, heads=heads)
-    auto, named = loadbench.with_assets(eng, ControllerConfig(ks=(0, 2, 8)))
-    assert auto.options == (("none", 0), ("ngram", 2), ("ngram", 8), ("medusa", 2)) and named == {}
+    auto = loadbench.with_assets(eng, ControllerConfig(ks=(0, 2, 8)))
+    assert [o.label for o in auto.options] == ["none", "ngram:2", "ngram:8", "medusa:2"]
     tree = SpecConfig(method="medusa", tree="small")
-    auto, named = loadbench.with_assets(eng, ControllerConfig(ks=(0, 4)), {"medusa": tree})
-    assert auto.options[-2:] == (("medusa", 4), ("medusa-tree", tree.k)) and named["medusa-tree"] == tree
+    auto = loadbench.with_assets(eng, ControllerConfig(ks=(0, 4)), {"medusa": tree})
+    assert auto.options[-2:] == (SpecConfig(method="medusa", k=4), tree)
+    assert auto.options[-1].label == f"medusa-tree:{tree.k}"
 
 
 # ---- `specjax bench`: offline, methods side by side ------------------------------------------------

@@ -3,15 +3,21 @@
 import numpy as np
 import pytest
 
+from specjax.config import SpecConfig
 from specjax.controller import (PLAIN, Controller, ControllerConfig, CostModel, expected_tokens,
                                 expected_tokens_rates, position_counts)
 
+
+def ngram(k: int) -> SpecConfig:
+    return SpecConfig(method="ngram", k=k)
+
+
 # batch 1 on CPU: a 9-token verify costs about 1.5 plain steps (docs/BENCHMARKS.md)
-LIGHT = CostModel({PLAIN: 1.0, ("ngram", 2): 1.15, ("ngram", 4): 1.3, ("ngram", 8): 1.6}, batch=1)
+LIGHT = CostModel({PLAIN: 1.0, ngram(2): 1.15, ngram(4): 1.3, ngram(8): 1.6}, batch=1)
 # compute-bound: a K+1 window costs a little more than K+1 plain steps
-HEAVY = CostModel({PLAIN: 1.0, ("ngram", 2): 3.1, ("ngram", 4): 5.2, ("ngram", 8): 9.3}, batch=16)
+HEAVY = CostModel({PLAIN: 1.0, ngram(2): 3.1, ngram(4): 5.2, ngram(8): 9.3}, batch=16)
 # batch 16 as measured on CPU (verify at K=4: 2.5x a plain step)
-MEASURED_16 = CostModel({PLAIN: 1.0, ("ngram", 2): 1.8, ("ngram", 4): 2.5, ("ngram", 8): 4.0}, batch=16)
+MEASURED_16 = CostModel({PLAIN: 1.0, ngram(2): 1.8, ngram(4): 2.5, ngram(8): 4.0}, batch=16)
 
 
 def trace(alpha, k, steps, rng):
@@ -29,7 +35,7 @@ def run(controller, rows, alphas, chunks=30, steps=8, seed=0):
         chosen.append(plan.option)
         if plan.k:
             for r in rows:
-                controller.observe(r, plan.option[0], trace(alphas[r], plan.k, steps, rng), steps)
+                controller.observe(r, plan.option.kind, trace(alphas[r], plan.k, steps, rng), steps)
     return chosen
 
 
@@ -52,7 +58,7 @@ def test_position_counts_and_rates():
     c.add_row("a")
     c.observe("a", "ngram", [3, 3, 3, 3], steps=10)
     assert c.rates("a", "ngram")[:4].tolist() == pytest.approx([0.3, 1, 1, 1])
-    assert c.expected("a", ("ngram", 4)) == pytest.approx(1 + 4 * 0.3)
+    assert c.expected("a", ngram(4)) == pytest.approx(1 + 4 * 0.3)
     assert c.alpha("a", "ngram") == pytest.approx(12 / 19)
 
 
@@ -60,13 +66,13 @@ def test_high_acceptance_raises_k():
     c = Controller(ControllerConfig(), LIGHT)
     c.add_row("a", task="translation")
     chosen = run(c, ["a"], {"a": 0.9})
-    assert chosen[-10:] == [("ngram", 8)] * 10
+    assert chosen[-10:] == [ngram(8)] * 10
     assert c.alpha("a", "ngram") == pytest.approx(0.9, abs=0.08)
     assert c.rates("a", "ngram")[:8] == pytest.approx([0.9] * 8, abs=0.1)
 
     mid = Controller(ControllerConfig(), LIGHT)
     mid.add_row("b", task="qa")
-    k_mid = run(mid, ["b"], {"b": 0.45})[-1][1]
+    k_mid = run(mid, ["b"], {"b": 0.45})[-1].depth
     assert 0 < k_mid < 8  # medium acceptance: a shorter window pays best
 
 
@@ -143,18 +149,24 @@ def test_bad_config():
         ControllerConfig(methods=("none",))
     with pytest.raises(ValueError, match="lacks"):
         Controller(ControllerConfig(ks=(0, 3)), LIGHT)
-    assert ControllerConfig(ks=(4, 2)).options == (PLAIN, ("ngram", 2), ("ngram", 4))
-    assert ControllerConfig(ks=(2,), extra=(("medusa", 3),)).options[-1] == ("medusa", 3)
+    assert ControllerConfig(ks=(4, 2)).options == (PLAIN, ngram(2), ngram(4))
+    medusa = SpecConfig(method="medusa", k=3)
+    assert ControllerConfig(ks=(2,), extra=(medusa, medusa)).options == (PLAIN, ngram(2), medusa)
+    assert [o.label for o in ControllerConfig(ks=(2,), extra=(medusa,)).options] == ["none", "ngram:2", "medusa:3"]
+    with pytest.raises(ValueError, match="extra"):
+        ControllerConfig(extra=(("medusa", 3),))  # options are SpecConfigs
+    with pytest.raises(ValueError, match="extra"):
+        ControllerConfig(extra=(PLAIN,))
 
 
 def test_max_step_cost_bounds_the_options_at_this_batch_size():
     """An option dearer than the bound is never chosen, however well it would pay; probes obey it too."""
-    cost = CostModel({("none", 0): 1.0, ("ngram", 2): 1.2, ("ngram", 4): 1.4, ("ngram", 8): 1.8})
+    cost = CostModel({PLAIN: 1.0, ngram(2): 1.2, ngram(4): 1.4, ngram(8): 1.8})
     c = Controller(ControllerConfig(max_step_cost=1.5, probe_every=1), cost)
     c.add_row("r", task="t")
     c.observe("r", "ngram", accepted_per_position=[10] * 8, steps=10)  # every draft kept
-    assert c.choose(["r"]).option == ("ngram", 4)  # K=8 would pay more, but costs 1.8 plain steps
-    c.cost = CostModel({("none", 0): 1.0, ("ngram", 2): 1.6, ("ngram", 4): 2.5, ("ngram", 8): 3.8}, batch=16)
-    assert c.allowed() == [] and all(c.choose(["r"]).option == ("none", 0) for _ in range(5))
+    assert c.choose(["r"]).option == ngram(4)  # K=8 would pay more, but costs 1.8 plain steps
+    c.cost = CostModel({PLAIN: 1.0, ngram(2): 1.6, ngram(4): 2.5, ngram(8): 3.8}, batch=16)
+    assert c.allowed() == [] and all(c.choose(["r"]).option == PLAIN for _ in range(5))
     with pytest.raises(ValueError, match="max_step_cost"):
         ControllerConfig(max_step_cost=0.5)

@@ -16,6 +16,7 @@ from specjax.engine import Engine
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
+from specjax.proposers.base import Stateless
 from specjax.sampling import Greedy, SamplingParams
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
@@ -91,7 +92,7 @@ def test_own_projection_heads_equal_plain(tiny_model, ref):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TableTreeProposer:
+class TableTreeProposer(Stateless):
     """Puts the true greedy tokens on the nodes of `right` (a root-to-leaf path of the tree) and
     distinct wrong tokens everywhere else, so each step accepts exactly that path."""
 

@@ -98,3 +98,50 @@ def test_no_host_names_a_method():
     hits = [f"{f.name}:{i}: {line.strip()}" for f in sorted((ROOT / "specjax").glob("*.py"))
             for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
+    """Each record's proposer (the shipped methods and a toy one) is a `Proposer`: it declares k, its
+    verify window (`topology`) and the layers it taps; the Decoder reads those and nothing else."""
+    import numpy as np
+    from flax import nnx
+
+    from specjax import tree
+    from specjax.decoder import Decoder
+    from specjax.models import config as model_config
+    from specjax.models import loader
+    from specjax.models.eagle import EagleConfig, EagleHead
+    from specjax.models.heads import HeadsConfig, MedusaHeads
+    from specjax.proposers.base import Proposer
+
+    eng = Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1),
+                 heads=MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
+                                   rngs=nnx.Rngs(0)))
+    eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
+                  np.arange(64))
+    specs = [SpecConfig(method=m, k=3) for m in registry.RECORDS]
+    specs += [SpecConfig(method="medusa", tree="small"), SpecConfig(method="eagle", k=3, nodes=6, topk=2)]
+    for spec in specs:
+        proposer, _ = eng.proposer(spec)
+        assert isinstance(proposer, Proposer), spec
+        topo, taps = proposer.topology, proposer.taps
+        assert isinstance(taps, tuple) and all(isinstance(t, int) for t in taps), spec
+        want = tree.DynamicTopology if spec.nodes else tree.Topology
+        assert isinstance(topo, want) and topo.max_depth == spec.depth == proposer.k, spec
+        assert topo.is_chain == (not spec.is_tree), spec
+        assert Decoder(proposer=proposer, cache_length=64).window == spec.window, spec
+    assert {type(eng.proposer(SpecConfig(method=m, k=3))[0]) for m in registry.RECORDS} >= {FollowProposer}
+
+
+def test_a_proposer_without_the_protocol_is_refused():
+    from specjax.decoder import Decoder
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare:  # propose alone: no topology, taps, init, reconcile
+        k: int = 2
+
+        def propose(self, params, pstate, state, sampling_config, keys):
+            raise AssertionError
+
+    with pytest.raises(TypeError, match="not a Proposer"):
+        Decoder(proposer=Bare(), cache_length=64)

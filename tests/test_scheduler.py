@@ -34,10 +34,10 @@ SPECS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto":
          "draft": SpecConfig(method="draft", k=3), "medusa": SpecConfig(method="medusa", k=3),
          "medusa-tree": SpecConfig(method="medusa", tree="small"), "auto-medusa": "auto",
          "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2), "auto-eagle": "auto"}
-AUTO_EAGLE = ControllerConfig(ks=(0, 2), methods=("ngram",), extra=(("eagle", 3), ("eagle-tree", 3)),
-                              prior_alpha=0.9)
-AUTO_MEDUSA = ControllerConfig(ks=(0, 2, 4), methods=("ngram",), extra=(("medusa", 2), ("tree", 3)),
-                               prior_alpha=0.9)
+AUTO_EAGLE = ControllerConfig(ks=(0, 2), methods=("ngram",), extra=(
+    SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=6, topk=2)), prior_alpha=0.9)
+AUTO_MEDUSA = ControllerConfig(ks=(0, 2, 4), methods=("ngram",), extra=(
+    SpecConfig(method="medusa", k=2), SpecConfig(method="medusa", tree="small")), prior_alpha=0.9)
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,9 @@ def serve(eng, spec, *, slots=2, prompts=PROMPTS, budgets=BUDGETS, opts=None, **
 def test_every_request_once_with_its_alone_tokens(eng, alone, method):
     kw = {}
     if method == "auto-medusa":  # chooses among prompt lookup, a Medusa chain and a Medusa tree
-        kw = dict(controller=AUTO_MEDUSA, auto_specs={"tree": SpecConfig(method="medusa", tree="small")})
+        kw = dict(controller=AUTO_MEDUSA)
     if method == "auto-eagle":  # an EAGLE chain and a dynamic tree beside prompt lookup
-        kw = dict(controller=AUTO_EAGLE, auto_specs={"eagle": SpecConfig(method="eagle", k=3),
-                                                     "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2)})
+        kw = dict(controller=AUTO_EAGLE)
     s = serve(eng, SPECS[method], **kw)
     running = []
     out = s.run(on_chunk=lambda s: running.append(sum(r is not None for r in s.slots)))
@@ -92,7 +91,9 @@ def test_every_request_once_with_its_alone_tokens(eng, alone, method):
     mem = s.memory()
     assert mem["cache_bytes"] > 0 and (mem["draft_weight_bytes"] > 0) == (method not in ("none", "ngram", "auto"))
     if method == "auto-medusa":
-        assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("medusa", 2), ("tree", 3)}
+        assert set(s.cost.seconds) == set(AUTO_MEDUSA.options)
+        small = SpecConfig(method="medusa", tree="small")
+        assert {o.label for o in s.cost.seconds} == {"none", "ngram:2", "ngram:4", "medusa:2", f"medusa-tree:{small.k}"}
         used = {k for r in out for k in r.chunks}
         assert used - {"none"}, used  # with an optimistic prior it speculates at first
     if method == "ngram":
@@ -151,7 +152,8 @@ def test_compiles_once_per_k(eng):
     s = serve(eng, "auto")
     s.run()
     assert eng.compile_count == before  # same shapes: nothing new, whichever K each chunk used
-    assert set(s.cost.seconds) == {("none", 0), ("ngram", 2), ("ngram", 4), ("ngram", 8)}
+    assert {o.label for o in s.cost.seconds} == {"none", "ngram:2", "ngram:4", "ngram:8"}
+    assert set(s.cost.seconds) == set(ControllerConfig().options) and PLAIN in s.cost.seconds
 
 
 def fixed_costs(monkeypatch, seconds: dict):
@@ -166,7 +168,7 @@ def fixed_costs(monkeypatch, seconds: dict):
 def test_prompt_lookup_is_replayed_over_plain_chunks(eng, alone, replay, monkeypatch):
     """A pessimistic prior keeps every chunk plain; the replay still teaches the controller what
     prompt lookup would have kept on that text (the repeating prompts give it matches)."""
-    fixed_costs(monkeypatch, {PLAIN: 1.0, ("ngram", 2): 1.05, ("ngram", 4): 1.1})
+    fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="ngram", k=2): 1.05, SpecConfig(method="ngram", k=4): 1.1})
     cfg = ControllerConfig(ks=(0, 2, 4), prior_alpha=0.0, prior_weight=1e6, probe_every=10**6,
                            replay_ngram=replay)
     s = serve(eng, "auto", controller=cfg)
@@ -268,7 +270,7 @@ def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
     # a fixed cost model (verify = 1.1 plain steps): timings of the tiny model are noise, and a
     # calibration that found the verify cheaper than a plain step once let an "open" row speculate
-    fixed_costs(monkeypatch, {PLAIN: 1.0, ("selective", 4): 1.1})
+    fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="selective", k=4): 1.1})
     s = Scheduler(eng, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=M), chunk=3,
                   max_prompt_tokens=16)
     for p, t in zip(prompts, tasks):
@@ -297,7 +299,7 @@ def test_auto_switches_between_plain_and_speculation_without_compiling(tiny_mode
     monkeypatch.setitem(registry.RECORDS, "selective", registry.Record(
         "selective", lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table))))
     cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
-    fixed_costs(monkeypatch, {PLAIN: 1.0, ("selective", 4): 1.1})
+    fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="selective", k=4): 1.1})
 
     def run():
         s = Scheduler(eng, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=M),
@@ -340,3 +342,27 @@ def sizes_seen():
     seen = set()
     yield seen
     assert {1, 2, 4} <= seen, seen  # over the methods, every size ran
+
+def test_an_option_and_its_resolved_spec_are_one_option(tiny_model):
+    """tree="heads" is resolved by the Engine: the scheduler keys its options by the resolved spec,
+    and a request naming the unresolved one gets that same option."""
+    heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model, rngs=nnx.Rngs(0))
+    e = Engine(tiny_model)
+    e.set_heads(heads, tree=[[0], [1], [0, 0], [0, 0, 0]])
+    given = SpecConfig(method="medusa", tree="heads")
+    resolved = e.resolve(given)
+    assert given != resolved and given.label == "medusa-tree:heads" and resolved.label == "medusa-tree:3"
+    cfg = ControllerConfig(ks=(0, 2), extra=(given, resolved))
+    s = Scheduler(e, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=4), max_prompt_tokens=8)
+    assert s.options == s.ccfg.options == (PLAIN, SpecConfig(method="ngram", k=2), resolved)
+    assert list(s.specs) == [SpecConfig(method="ngram", k=2), resolved]
+    rid = s.submit([3, 4, 5], speculation=given)
+    assert s.live[rid].speculation == resolved
+    with pytest.raises(ValueError, match="medusa:3.*none, ngram:2, medusa-tree:3"):
+        s.submit([3, 4, 5], speculation=SpecConfig(method="medusa", k=3))
+    with pytest.raises(ValueError, match="SpecConfig"):
+        s.submit([3, 4, 5], speculation=("ngram", 2))
+    fixed = Scheduler(e, slots=1, spec=given, with_plain=True, opts=GenerateOptions(max_new_tokens=4),
+                      max_prompt_tokens=8)
+    assert fixed.options == (PLAIN, resolved) and fixed.fixed == resolved
+    assert fixed.live[fixed.submit([3, 4, 5], speculation=given)].speculation == resolved

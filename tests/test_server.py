@@ -910,7 +910,7 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     assert s.live == {} and all(r is None for r in s.slots)
     assert [r for r in s.requests if r.id == again][0].tokens == reference[("completion", PROMPTS[3])]
 
-    named = s.submit(ids[1], speculation=("ngram", 4))
+    named = s.submit(ids[1], speculation=SpecConfig(method="ngram", k=4))
     off = s.submit(ids[2], opt_out=True, max_new_tokens=4)
     s.run()
     by = {r.id: r for r in s.requests}
@@ -919,7 +919,7 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     reasons = [c.reason for c in s.chunk_log]
     assert "requested" in reasons
     with pytest.raises(ValueError, match="speculation"):
-        s.submit(ids[0], speculation=("ngram", 8))
+        s.submit(ids[0], speculation=SpecConfig(method="ngram", k=8))
     with pytest.raises(ValueError, match="seed"):
         s.submit(ids[0], seed=-1)
 
@@ -1069,7 +1069,7 @@ def test_serve_command_builds_its_server(monkeypatch, method, flags, options):
     assert cli.main(["serve", "--model", MODEL, "--method", method, "--slots", "2", "--max-tokens", "8",
                      "--max-prompt-tokens", "16", *flags]) == 0
     sched = built["server"].sched
-    assert [o[0] if not o[1] else f"{o[0]}:{o[1]}" for o in sched.options] == options
+    assert [o.label for o in sched.options] == options
     if method == "auto":
         assert sched.ccfg.max_step_cost == 1.5
 

@@ -2,11 +2,13 @@
 
 A proposer is a frozen, hashable dataclass (static: it shapes the program) with pure methods; its
 arrays (draft weights, caches) travel separately as `params` (built with it by its factory) and
-`pstate` (in the loop carry):
+`pstate` (in the loop carry). It satisfies `Proposer` (`specjax.proposers.base`):
 
-- `paths`: the window it drafts, as tree paths; a chain of K is `((0,), (0, 0), ...)`. A proposer
-  that builds its tree each step (the EAGLE-2 dynamic tree) gives `topology`, a
-  `specjax.tree.DynamicTopology` (its node budget), and `propose` returns a `tree.DraftTree`.
+- `topology`: the window it drafts: a static `specjax.tree.Topology` (a chain of K is the tree
+  `((0,), (0, 0), ...)`; the `Chain` mixin builds it from `paths`), or, for a proposer that builds
+  its tree each step (the EAGLE-2 dynamic tree), a `tree.DynamicTopology` (its node budget), and
+  then `propose` returns a `tree.DraftTree`.
+- `taps`: target layers whose input it reads (an EAGLE-3 head); () for none.
 - `init(params, state, inputs, hidden) -> pstate`: after the target prefill (inside jit), with the
   target's final hidden states at every prompt position `[B, P, D]`.
 - `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, N], q, pstate)`: q is the

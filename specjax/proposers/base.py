@@ -1,40 +1,64 @@
-"""The proposer protocol (see `specjax.proposers`)."""
+"""The proposer protocol (see `specjax.proposers`), and mixins for chain proposers."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from jaxtyping import Array
 
-from specjax.tree import Tree, chain
+from specjax import tree
 from specjax.sampling import Sampling
 from specjax.state import DecodeState
 
 
+@runtime_checkable
 class Proposer(Protocol):
-    """Static (hashable) side of a draft proposer; its arrays travel as `params` and `pstate`."""
+    """What a draft proposer declares: the static (hashable) side; its arrays travel as `params`
+    and `pstate`. The Decoder reads these attributes and probes for nothing else.
+
+    Attributes:
+      k: drafts per step for a chain, or the depth of its tree.
+      topology: its verify window: a static `tree.Topology` (a chain of k, or a fixed candidate
+        tree), or a `tree.DynamicTopology` (the node budget of a tree it builds each step).
+      taps: target layers whose input it reads (an EAGLE-3 head's fused features); () for none.
+
+    `propose` returns (drafts, q, pstate): drafts are tokens `[B, N]` on the nodes of a static
+    topology, or a `tree.DraftTree` for a dynamic one; q is the `[B, N, V]` distribution they were
+    sampled from, or None for a deterministic proposer (one-hot q).
+    """
 
     k: int
 
     @property
-    def paths(self) -> Tree:
-        """The window it drafts, as tree paths (a chain of k for chain proposers)."""
+    def topology(self) -> tree.Topology | tree.DynamicTopology: ...
+
+    @property
+    def taps(self) -> tuple[int, ...]: ...
 
     def init(self, params: Any, state: DecodeState, inputs: Any, hidden: Array) -> Any: ...
 
-    def propose(self, params: Any, pstate: Any, state: DecodeState,
-                sampling_config: Sampling, keys: Array) -> tuple[Array, Array | None, Any]: ...
+    def propose(self, params: Any, pstate: Any, state: DecodeState, sampling_config: Sampling,
+                keys: Array) -> tuple[Array | tree.DraftTree, Array | None, Any]: ...
 
     def reconcile(self, params: Any, pstate: Any, state: DecodeState, verify: Any,
                   accepted: Any) -> Any: ...
 
 
 class Chain:
-    """Mixin: the proposer drafts a chain of `k` tokens."""
+    """Mixin: the proposer drafts a static tree given by `paths`, by default a chain of `k` tokens,
+    and reads no tapped layers."""
 
     @property
-    def paths(self) -> Tree:
-        return chain(self.k)
+    def paths(self) -> tree.Tree:
+        return tree.chain(self.k)
+
+    @property
+    def topology(self) -> tree.Topology:
+        return tree.topology(self.paths)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return ()
 
 
 class Stateless(Chain):

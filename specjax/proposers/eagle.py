@@ -118,13 +118,11 @@ class EagleProposer:
 
     # ---- static shape ------------------------------------------------------------------------
     @property
-    def paths(self) -> tree.Tree:
-        return tree.chain(self.k)
-
-    @property
-    def topology(self) -> tree.DynamicTopology | None:
-        """None for a chain (the Decoder uses `paths`); the node budget of the dynamic tree."""
-        return tree.DynamicTopology(num_nodes=self.nodes, max_depth=self.k) if self.nodes else None
+    def topology(self) -> tree.Topology | tree.DynamicTopology:
+        """A chain of k, or the node budget of the dynamic tree it builds each step."""
+        if self.nodes:
+            return tree.DynamicTopology(num_nodes=self.nodes, max_depth=self.k)
+        return tree.chain_topology(self.k)
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
-from specjax import sharding
+from specjax import sharding, tree as tree_lib
 from specjax.tree import HEADS_TREE, Tree, chain
 from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import MedusaHeads
@@ -130,6 +130,15 @@ class MedusaProposer:
     @property
     def paths(self) -> Tree:
         return self.tree if self.tree is not None else chain(self.k)
+
+    @property
+    def topology(self) -> tree_lib.Topology:
+        """Its static window: the candidate tree, or a chain of k."""
+        return tree_lib.topology(self.paths)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return ()  # the heads read the target's final hidden state
 
     def init(self, params: MedusaParams, state: DecodeState, inputs, hidden: Float[Array, "B P D"]):
         """The hidden state at each row's last prompt token."""

@@ -61,10 +61,10 @@ class Record:
       check: `(spec) -> None`, the method's own checks on its options (raises ValueError).
       tuned: `(assets, tree) -> dict`, the `SpecConfig` fields tuned for the loaded assets (its
         chain, or with `tree` its tree); None when the method has no tuning.
-      auto: `(assets, ks, given) -> (extra, named)`, what the auto controller may run with the
-        loaded assets: `extra` (label, K) options and `named` the `SpecConfig` fields behind a
-        label that is not simply (method, K); `ks` are the controller's lengths, `given` the spec
-        the user gave for this method (or None). None: the controller's `methods` cover it.
+      auto: `(assets, ks, given) -> [fields]`, what the auto controller may run with the loaded
+        assets: the `SpecConfig` fields of each option (a chain, a tree); `ks` are the
+        controller's lengths, `given` the spec the user gave for this method (or None). None: the
+        controller's `methods` cover it.
       flag, flag_value: the command-line flag that gives the method's asset and what it takes
         (None: the method needs none).
       shipped: `(model name) -> path | None`, the asset shipped for a model (None: none ship, so
@@ -78,7 +78,7 @@ class Record:
     options: tuple[str, ...] = ()
     check: Callable[[Any], None] = _no_checks
     tuned: Callable[[Assets, bool], dict] | None = None
-    auto: Callable[[Assets, tuple[int, ...], Any], tuple[list, dict]] | None = None
+    auto: Callable[[Assets, tuple[int, ...], Any], list[dict]] | None = None
     flag: str | None = None
     flag_value: str = "DIR"
     shipped: Callable[[str], Any] | None = None
@@ -101,22 +101,20 @@ def _eagle_tuned(assets: Assets, tree: bool) -> dict:
     return dict(tuned or (dict(k=4, nodes=16, topk=4) if tree else dict(k=3)))
 
 
-def _eagle_auto(assets: Assets, ks, given) -> tuple[list, dict]:
-    """The head's tuned chain (label eagle) and dynamic tree (eagle-tree)."""
+def _eagle_auto(assets: Assets, ks, given) -> list[dict]:
+    """The head's tuned chain and dynamic tree."""
     if assets.eagle is None:
-        return [], {}
-    named = {label: dict(method=EAGLE, **_eagle_tuned(assets, tree))
-             for label, tree in ((EAGLE, False), (f"{EAGLE}-tree", True))}
-    return [(label, f["k"]) for label, f in named.items()], named
+        return []
+    return [dict(method=EAGLE, **_eagle_tuned(assets, tree)) for tree in (False, True)]
 
 
-def _medusa_auto(assets: Assets, ks, given) -> tuple[list, dict]:
-    """Each chain length in `ks` the heads support, and as medusa-tree the tree given (a spec with a
-    tree) or else the heads' own tuned tree, if any."""
+def _medusa_auto(assets: Assets, ks, given) -> list[dict]:
+    """Each chain length in `ks` the heads support, and the tree given (a spec with a tree) or else
+    the heads' own tuned tree, if any."""
     if assets.heads is None:
-        return [], {}
+        return []
     heads = assets.heads.module.config.num_heads
-    extra = [(MEDUSA, k) for k in sorted({k for k in ks if k > 0}) if k <= heads]
+    chains = [dict(method=MEDUSA, k=k) for k in sorted({k for k in ks if k > 0}) if k <= heads]
     if given is not None and given.tree is not None:
         fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
         if fields["tree"] == HEADS_TREE:
@@ -124,9 +122,8 @@ def _medusa_auto(assets: Assets, ks, given) -> tuple[list, dict]:
     elif assets.heads.tree is not None:
         fields = dict(method=MEDUSA, tree=assets.heads.tree)
     else:
-        return extra, {}
-    label = f"{MEDUSA}-tree"
-    return extra + [(label, max(len(p) for p in fields["tree"]))], {label: fields}
+        return chains
+    return chains + [fields]
 
 
 def _heads_tree(assets: Assets):
@@ -175,7 +172,7 @@ def check(spec) -> None:
 
 
 def base(label: str) -> str:
-    """The method behind an option label (eagle-tree: eagle's tuned tree)."""
+    """The method behind a bench label or an option's kind (eagle-tree: eagle's tuned tree)."""
     return label.removesuffix("-tree") if label.endswith("-tree") and label[:-5] in RECORDS else label
 
 
@@ -186,15 +183,14 @@ def looks_up(method: str) -> bool:
     return method in RECORDS and "ngram_table" in RECORDS[method].options
 
 
-def auto_options(assets: Assets, ks: tuple[int, ...], given: dict | None = None) -> tuple[list, dict]:
+def auto_options(assets: Assets, ks: tuple[int, ...], given: dict | None = None) -> list[dict]:
     """What the auto controller may run besides its `methods`, over every record with loaded assets:
-    (label, K) options and the `SpecConfig` fields of each named label (see `Record.auto`)."""
-    extra, named = [], {}
+    the `SpecConfig` fields of each option (see `Record.auto`)."""
+    out = []
     for rec in RECORDS.values():
         if rec.auto is not None:
-            more, fields = rec.auto(assets, ks, (given or {}).get(rec.name))
-            extra, named = extra + list(more), {**named, **fields}
-    return extra, named
+            out += rec.auto(assets, ks, (given or {}).get(rec.name))
+    return out
 
 
 def build(spec, assets: Assets):

@@ -29,7 +29,7 @@ __all__ = ["End", "EngineThread", "Job", "NotAccepting", "QueueFull", "ServeConf
 def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | None = None, slots: int = 8,
                   max_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0,
                   chunk: int = 8, batch_sizes=None, controller: ControllerConfig | None = None,
-                  auto_specs: dict | None = None, history: int = 4096) -> Scheduler:
+                  history: int = 4096) -> Scheduler:
     """The scheduler a server runs: `method` "auto" (the controller; plain among its options),
     "none", or a fixed method (`spec`) with the plain loop compiled beside it, so that a request
     may say "speculation": "off". `temperature` > 0 compiles the sampled programs (and is each
@@ -42,7 +42,7 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
     else:
         s = spec or SpecConfig(method=method, k=4)
     return Scheduler(engine, slots=slots, spec=s, controller=controller, opts=opts, chunk=chunk,
-                     max_prompt_tokens=max_prompt_tokens, auto_specs=auto_specs, batch_sizes=batch_sizes,
+                     max_prompt_tokens=max_prompt_tokens, batch_sizes=batch_sizes,
                      with_plain=True, history=history)
 
 

@@ -159,7 +159,7 @@ class Server:
 
     async def models(self, request):
         s = self.sched
-        options = [o[0] if o[1] == 0 else f"{o[0]}:{o[1]}" for o in s.options]
+        options = [o.label for o in s.options]
         return JSONResponse({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specjax",
             "max_model_len": s.engine.config.max_seq_len, "max_tokens": s.opts.max_new_tokens,

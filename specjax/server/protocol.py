@@ -108,23 +108,24 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return out
 
 
-def speculation_option(spec, options: tuple, *, fixed: tuple) -> dict:
-    """`Scheduler.submit` arguments for the `speculation` field, within the loaded `options`."""
-    loaded = ", ".join(o[0] if o[1] == 0 else f"{o[0]}:{o[1]}" for o in options)
+def speculation_option(spec, options: tuple, *, fixed) -> dict:
+    """`Scheduler.submit` arguments for the `speculation` field, within the loaded `options`
+    (`SpecConfig`s); a request names one by its kind ("ngram", "medusa-tree") and k (its depth)."""
+    loaded = ", ".join(o.label for o in options)
     if spec is None or spec == "auto":
         return {}
     if spec == "off":
-        if ("none", 0) not in options:
+        if not any(o.method == "none" for o in options):
             raise bad(f"speculation 'off': this server runs only {loaded}", "speculation")
         return dict(opt_out=True)
-    methods = {o[0] for o in options if o[1] > 0}
+    methods = {o.kind for o in options if o.depth > 0}
     if spec.method not in methods:
         raise bad(f"unknown speculation method {spec.method!r}: this server loaded "
                   f"{', '.join(sorted(methods)) or 'none (plain decoding only)'}; use one of those, "
                   "'auto' or 'off'", "speculation")
-    ks = sorted(o[1] for o in options if o[0] == spec.method and o[1] > 0)
+    ks = sorted(o.depth for o in options if o.kind == spec.method and o.depth > 0)
     k = spec.k if spec.k is not None else (ks[0] if len(ks) == 1 else None)
     if k not in ks:
         raise bad(f"speculation {spec.method} with k={spec.k}: this server loaded k in {ks} for it",
                   "speculation")
-    return dict(speculation=(spec.method, k))
+    return dict(speculation=next(o for o in options if o.kind == spec.method and o.depth == k))
