@@ -501,8 +501,17 @@ def test_cli_mesh_and_distributed_flags(monkeypatch, capsys):
     assert "needs 6 devices, there are 8" in capsys.readouterr().err
     assert cli.main(["bench", "--mesh", "data=4,tensor=2"]) == 2
     assert "axis 'tensor' is unknown" in capsys.readouterr().err
+    # auto runs through the scheduler, which runs on a mesh: the model is loaded onto it
+    loads = []
+
+    def load(cls, name, **kw):
+        loads.append(kw.get("mesh"))
+        raise ValueError("stop after the load")
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
     assert cli.main(["generate", "--method", "auto", "--prompt", "hi", "--mesh", "data=8"]) == 2
-    assert "scheduler" in capsys.readouterr().err
+    assert "stop after the load" in capsys.readouterr().err
+    assert len(loads) == 1 and dict(loads[0].shape) == {"data": 8, "model": 1}
 
 
 def test_ties_across_vocab_shards_pick_what_one_device_picks():
