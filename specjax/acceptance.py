@@ -40,7 +40,7 @@ class Accepted:
     """What a rule kept: per row, drafts accepted, the path's window slots, the next token."""
 
     n: Int[Array, "B"]
-    path: Int[Array, "B D+1"]
+    path: Int[Array, "B R"]
     next: Int[Array, "B"]
 
     @property
@@ -108,7 +108,7 @@ def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] 
     return n, nxt
 
 
-def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepted:
+def walk(ok: Int[Array, "B K"], x: Int[Array, "B W"], topo: Topology) -> Accepted:
     """The deepest node whose whole path is kept (`ok` per node), and the target's token there.
 
     Siblings carry distinct tokens, so at most one path matches; ties (typical acceptance) go to
@@ -121,7 +121,7 @@ def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepte
     n = jnp.take_along_axis(depth, leaf[:, None], axis=1)[:, 0]
     d = jnp.arange(topo.max_depth + 1)
     leaf_anc = jnp.take_along_axis(anc, leaf[:, None, None], axis=1)[:, 0]  # [B, W]
-    at_depth = leaf_anc[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, D+1, W]
+    at_depth = leaf_anc[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, R, W]
     path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)
     return Accepted(n=n, path=path, next=jnp.take_along_axis(x, leaf[:, None], axis=1)[:, 0])
 
@@ -194,7 +194,7 @@ class TypicalAcceptance:
         if config.greedy:
             return Greedy().accept(config, keys, nodes, q, logits, params, topo)
         p = sampling.probs(logits, params)  # [B, W, V]
-        p_par = tree.at_parents(p, topo)  # [B, N, V]
+        p_par = tree.at_parents(p, topo)  # [B, K, V]
         p_x = jnp.take_along_axis(p_par, nodes[..., None], axis=-1)[..., 0]
         ent = -jnp.sum(jnp.where(p_par > 0, p_par * jnp.log(jnp.where(p_par > 0, p_par, 1.0)), 0.0), -1)
         ok = p_x > jnp.minimum(self.epsilon, self.delta * jnp.exp(-ent))

@@ -19,7 +19,7 @@ def run(params, inputs):
 One speculative step reads as the algorithm does, for chains and trees alike:
 
 ```
-nodes, q = propose(...)                  # [B, N] drafted tokens (+ q [B, N, V] when sampled)
+nodes, q = propose(...)                  # [B, K] drafted tokens (+ q [B, K, V] when sampled)
 out = verify(target, state, nodes)       # one target pass over the window (tree mask)
 acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
 state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
@@ -189,8 +189,8 @@ class Stats:
 
     drafted: Int[Array, "B"]  # draft tokens verified (a tree counts every node)
     accepted: Int[Array, "B"]
-    accepted_per_position: Int[Array, "B D"]  # how often the draft at depth j + 1 was kept
-    accept_hist: Int[Array, "B D+1"]  # how often a step kept exactly n drafts
+    accepted_per_position: Int[Array, "B A"]  # how often the draft at depth j + 1 was kept
+    accept_hist: Int[Array, "B A+1"]  # how often a step kept exactly n drafts
 
     @classmethod
     def zeros(cls, batch: int, depth: int) -> "Stats":
@@ -220,7 +220,7 @@ class State:
     stats: Stats
 
 
-def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B N"], topo: tree.Topology,
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.Topology,
            taps: tuple[int, ...] = ()) -> Output:
     """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
 

@@ -99,7 +99,7 @@ def commit(
     return state.replace(tokens=tokens, lengths=lengths, done=done, table=table), take
 
 
-def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], accepted,
+def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], accepted,
                 topo: tree.Topology) -> DecodeState:
     """Commits a verified window: the accepted path's tokens and K/V, then the next token.
 
@@ -109,7 +109,7 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], ac
     """
     b = nodes.shape[0]
     window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
-    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, D]
+    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, A]
     new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
     new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
     if not topo.is_chain:
