@@ -67,7 +67,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
         self.eps = eps
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
@@ -188,7 +188,7 @@ class MLP(nnx.Module):
         self.w_up = _dense_param(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
         self.w_down = _dense_param(rngs, c.ffn_dim, c.dim, c, c.ffn_dim**-0.5, ("ffn", "embed"))
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         dt = self.dtype
         gate, up = linear.dense_many(x, (self.w_gate[...].astype(dt), self.w_up[...].astype(dt)), self.layout)
         h = jax.nn.silu(gate) * up

@@ -27,7 +27,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sampling
 from specjax.sampling import Sampling, SamplingParams
@@ -108,7 +108,7 @@ def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] 
     return n, nxt
 
 
-def walk(ok: Int[Array, "B K"], x: Int[Array, "B W"], topo: Topology) -> Accepted:
+def walk(ok: Bool[Array, "B K"], x: Int[Array, "B W"], topo: Topology) -> Accepted:
     """The deepest node whose whole path is kept (`ok` per node), and the target's token there.
 
     Siblings carry distinct tokens, so at most one path matches; ties (typical acceptance) go to
@@ -208,7 +208,7 @@ Rule = Greedy | SpecInfer | Speculative | TypicalAcceptance
 RULES = {"greedy": Greedy, "specinfer": SpecInfer, "speculative": Speculative, "typical": TypicalAcceptance}
 
 
-def default_rule(config: Sampling, topo: Topology):
+def default_rule(config: Sampling, topo: Topology | tree.DynamicTopology):
     """Greedy decoding: exact match. Sampling: Leviathan's rule on a chain, SpecInfer on a tree."""
     if config.greedy:
         return Greedy()

@@ -9,31 +9,35 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, Key
 
 from specjax import ngram_table, tree
 from specjax.models.kv_cache import KVCache
 from specjax.ngram_table import NgramTable
 from specjax.sampling import SamplingParams
 
+# A state's arrays: on device, or their numpy copies in a host view (`engine.Batch.view`).
+AnyArray = Array | np.ndarray
+
 
 @struct.dataclass
 class DecodeState:
-    tokens: Int[Array, "B S"]  # token at each position: prompt, then generated
-    lengths: Int[Array, "B"]  # committed tokens per row
-    prompt_lengths: Int[Array, "B"]
-    max_new: Int[Array, "B"]  # per-row budget of new tokens
-    done: Bool[Array, "B"]
-    cache: KVCache
-    sampling: SamplingParams
-    stop_ids: Int[Array, "B E"]  # per-row stop tokens, padded with -1
-    keys: Array  # [B] PRNG keys, one stream per row
-    forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
-    row_forwards: Int[Array, "B"]  # target forwards while each row was still active
+    tokens: Int[AnyArray, "B S"]  # token at each position: prompt, then generated
+    lengths: Int[AnyArray, "B"]  # committed tokens per row
+    prompt_lengths: Int[AnyArray, "B"]
+    max_new: Int[AnyArray, "B"]  # per-row budget of new tokens
+    done: Bool[AnyArray, "B"]
+    cache: KVCache | None  # None (and sampling, keys) only in a host view (engine.Batch.view)
+    sampling: SamplingParams | None
+    stop_ids: Int[AnyArray, "B E"]  # per-row stop tokens, padded with -1
+    keys: Key[Array, "B"] | None  # PRNG keys, one stream per row
+    forwards: Int[AnyArray, ""]  # target forward passes after prefill (loop control)
+    row_forwards: Int[AnyArray, "B"]  # target forwards while each row was still active
     table: NgramTable | None = None  # the cross-request n-gram table, shared by all rows
-    contribute: Bool[Array, "B"] | None = None  # rows whose text may enter the table (None: all)
-    tenant: Int[Array, "B"] | None = None  # each row's scope of the table (None: tenant 0)
+    contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter the table (None: all)
+    tenant: Int[AnyArray, "B"] | None = None  # each row's scope of the table (None: tenant 0)
 
     @property
     def num_new(self) -> Int[Array, "B"]:
