@@ -220,7 +220,7 @@ class State:
     stats: Stats
 
 
-def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.Topology | tree.DynamicTopology,
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology,
            taps: tuple[int, ...] = ()) -> Output:
     """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
 

@@ -104,7 +104,7 @@ def commit(
 
 
 def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], accepted,
-                topo: tree.Topology) -> DecodeState:
+                topo: tree.AnyTopology) -> DecodeState:
     """Commits a verified window: the accepted path's tokens and K/V, then the next token.
 
     `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted

@@ -151,6 +151,11 @@ class DraftTree:
     window: Window
 
 
+# What a step verifies against: a static tree (or chain), a dynamic tree's static bounds, or the
+# traced per-row trees a dynamic-tree proposer drafted.
+AnyTopology = Topology | DynamicTopology | Window
+
+
 def at_parents(x: Array, topo: "Topology | Window") -> Array:
     """`x[:, parent(w)]` for every drafted node w: the value at each node's parent slot."""
     if isinstance(topo, Window):
