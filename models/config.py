@@ -1,8 +1,6 @@
 """Model configurations: frozen, hashable, with named presets.
 
-Dimension alphabet used across `specjax` (einsums and type hints):
-    B batch, T query length, S cache length, N query heads, G query heads per kv head,
-    K kv heads (in einsum strings), H head dim, D model dim, F ffw dim, V vocab, L layers.
+Dimension alphabet (einsums and type hints): see `specjax.models.llama`.
 """
 
 from __future__ import annotations

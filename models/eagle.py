@@ -108,7 +108,7 @@ def target_features(target: llama.Llama, config: EagleConfig, tokens: Int[Array,
                     positions: Int[Array, "B T"], cache: KVCache, *, start=None, window_mask=None):
     """The target's forward, also returning the features this head reads at every position.
 
-    Returns (Output, features [B, T, F * D]).
+    Returns (Output, features [B, T, Df]).
     """
     out = target(tokens, positions, cache, start=start, window_mask=window_mask, taps=config.feature_layers)
     return out, features_of(config, out)
@@ -136,7 +136,7 @@ def check_draft_ids(ids, vocab_size: int, *, what: str = "draft_ids", fix: str =
     return arr.astype(np.int32)
 
 
-def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T FD"]:
+def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T Df"]:
     """The features an EAGLE head reads from a target forward's output (see `taps`)."""
     return out.hidden if config.features == "final" else jnp.concatenate(out.taps, axis=-1)
 
@@ -167,7 +167,7 @@ class EagleHead(nnx.Module):
         self.norm = llama.RMSNorm(d, c.norm_eps, wd)
 
     # ---- inputs and outputs ----------------------------------------------------------------
-    def lift(self, features: Float[Array, "... FD"]) -> Float[Array, "... D"]:
+    def lift(self, features: Float[Array, "... Df"]) -> Float[Array, "... D"]:
         """The target's features as the head's input feature (fused to D for "fused")."""
         dt = self.config.layer.compute_dtype
         if self.config.num_features == 1:
@@ -239,7 +239,7 @@ class EagleHead(nnx.Module):
             keys.append(llama.rope(self.attn._proj(hn, "k").reshape(b, t, c.num_kv_heads, c.head_dim),
                                    pos, llama.rope_inv_freq(c)))
             values.append(self.attn._proj(hn, "v").reshape(b, t, c.num_kv_heads, c.head_dim))
-            s0 = jnp.einsum("BTKGH,BSKH->BTKGS", q, keys[0]).astype(jnp.float32) * scale
+            s0 = jnp.einsum("BTCGH,BSCH->BTCGS", q, keys[0]).astype(jnp.float32) * scale
             causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None] - j  # [T, S]: s <= t - j
             scores = [jnp.where(causal[None, :, None, None, :], s0, -1e30)]
             shifted_v = []
@@ -247,12 +247,12 @@ class EagleHead(nnx.Module):
                 lag = j - i
                 k_i = jnp.pad(keys[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
                 v_i = jnp.pad(values[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
-                s_i = jnp.einsum("BTKGH,BTKH->BTKG", q, k_i).astype(jnp.float32) * scale
+                s_i = jnp.einsum("BTCGH,BTCH->BTCG", q, k_i).astype(jnp.float32) * scale
                 ok = (jnp.arange(t) >= lag)[None, :, None, None]
                 scores.append(jnp.where(ok, s_i, -1e30)[..., None])
                 shifted_v.append(v_i)
             probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(x.dtype)
-            att = jnp.einsum("BTKGS,BSKH->BTKGH", probs[..., :t], values[0])
+            att = jnp.einsum("BTCGS,BSCH->BTCGH", probs[..., :t], values[0])
             for i, v_i in enumerate(shifted_v):
                 att = att + probs[..., t + i, None] * v_i[:, :, :, None, :]
             x = x + self.attn._proj(att.reshape(b, t, -1), "o")

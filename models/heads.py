@@ -89,12 +89,12 @@ class MedusaHeads(nnx.Module):
         if self.config.token_input:
             if token_embed is None:
                 raise ValueError("these heads take the next token as input (token_input=True): pass it")
-            x = x + jnp.einsum("...D,MDE->...ME", token_embed.astype(x.dtype), self.u[...].astype(x.dtype))
+            x = x + jnp.einsum("...D,MDO->...MO", token_embed.astype(x.dtype), self.u[...].astype(x.dtype))
         w = self.w[...].astype(hidden.dtype)
         b = self.b[...].astype(hidden.dtype)
         lead = (1,) * (x.ndim - 2)
         for i in range(self.config.num_layers):
-            y = jnp.einsum("...MD,MDE->...ME", x, w[:, i]) + b[:, i].reshape(lead + b.shape[::2])
+            y = jnp.einsum("...MD,MDO->...MO", x, w[:, i]) + b[:, i].reshape(lead + b.shape[::2])
             x = x + jax.nn.silu(y)
         return x
 

@@ -20,10 +20,10 @@ from specjax.models.config import ModelConfig
 
 @struct.dataclass
 class KVCache(sharding.Logical):
-    """Per-layer key and value buffers, each `[B, S, K, H]` (K = kv heads)."""
+    """Per-layer key and value buffers, each `[B, S, Kv, H]`."""
 
-    k: tuple[Float[Array, "B S K H"], ...]
-    v: tuple[Float[Array, "B S K H"], ...]
+    k: tuple[Float[Array, "B S Kv H"], ...]
+    v: tuple[Float[Array, "B S Kv H"], ...]
 
     def logical_axes(self):
         return dict(k=("batch", "seq", "kv_heads", "head_dim"), v=("batch", "seq", "kv_heads", "head_dim"))
@@ -48,8 +48,8 @@ class KVCache(sharding.Logical):
 
 
 def write(
-    buf: Float[Array, "B S K H"], new: Float[Array, "B T K H"], start: Int[Array, "B"]
-) -> Float[Array, "B S K H"]:
+    buf: Float[Array, "B S Kv H"], new: Float[Array, "B T Kv H"], start: Int[Array, "B"]
+) -> Float[Array, "B S Kv H"]:
     """Writes `new` into slots `start[b] .. start[b]+T-1` of each row.
 
     Callers guarantee `start + T <= S` (the loop stops when the cache is full);

@@ -5,7 +5,19 @@ One forward serves prefill (T = prompt bucket), decode (T = 1) and speculative v
 position-indexed cache and returns `Output(logits, hidden, cache)`. No mode flags: the entry
 points `hidden_states` and `logits` share the same blocks.
 
-Dimension alphabet: see `specjax.models.config`.
+Dimension alphabet, the one meaning of each letter in `specjax`'s type hints and einsum strings
+(tests/test_names.py fails on a type hint that uses another):
+    B batch, T query length, S cache length, N query heads, G query heads per kv head, Kv kv heads,
+    H head dim, D model dim, F ffw dim, V vocab, L layers, K draft length (a chain's drafts, a
+    tree's nodes);
+    W verify window: the pending token and the drafts (K + 1), P prompt bucket, E stop ids per row,
+    A accept depth: most drafts one step can keep (a chain's K, a tree's depth), R a kept path's
+    window slots (A + 1), M the Medusa heads, Vd a draft vocabulary (a subset of V), Df an EAGLE
+    head's feature width (its taps side by side: a multiple of D), Z n-gram table slots, Ng n-gram
+    key length, Kf followers an n-gram table keeps per key.
+Einsum subscripts are single letters: kv heads (Kv) are written C there, the output side of a
+square [D, D] weight O, and a vocabulary subset V; lowercase m, n, k are a plain matmul's rows,
+columns and contraction (`specjax.models.linear`), outside the alphabet.
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
         self.eps = eps
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
@@ -144,26 +156,26 @@ class Attention(nnx.Module):
         positions: Int[Array, "B T"],
         start: Int[Array, "B"],
         mask: Bool[Array, "B T S"],
-        k_buf: Float[Array, "B S K H"],
-        v_buf: Float[Array, "B S K H"],
+        k_buf: Float[Array, "B S Kv H"],
+        v_buf: Float[Array, "B S Kv H"],
     ):
         c = self.config
         b, t, _ = x.shape
         q, k, v = self._projs(x, "q", "k", "v")
-        q_BTKGH = q.reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
-        k_BTKH = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-        v_BTKH = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        q_BTCGH = q.reshape(b, t, c.num_kv_heads, c.groups, c.head_dim)
+        k_BTCH = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v_BTCH = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         inv_freq = rope_inv_freq(c)
-        q_BTKGH = rope(q_BTKGH, positions, inv_freq)
-        k_BTKH = rope(k_BTKH, positions, inv_freq)
+        q_BTCGH = rope(q_BTCGH, positions, inv_freq)
+        k_BTCH = rope(k_BTCH, positions, inv_freq)
         kv_axes = ("batch", "seq", "kv_heads", "head_dim")
-        k_buf = sharding.constrain(kv_cache.write(k_buf, k_BTKH, start), kv_axes)
-        v_buf = sharding.constrain(kv_cache.write(v_buf, v_BTKH, start), kv_axes)
-        scores = jnp.einsum("BTKGH,BSKH->BTKGS", q_BTKGH, k_buf.astype(q_BTKGH.dtype))
+        k_buf = sharding.constrain(kv_cache.write(k_buf, k_BTCH, start), kv_axes)
+        v_buf = sharding.constrain(kv_cache.write(v_buf, v_BTCH, start), kv_axes)
+        scores = jnp.einsum("BTCGH,BSCH->BTCGS", q_BTCGH, k_buf.astype(q_BTCGH.dtype))
         scores = scores.astype(jnp.float32) * c.head_dim**-0.5
         scores = jnp.where(mask[:, :, None, None, :], scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v_buf.astype(x.dtype))
+        out = jnp.einsum("BTCGS,BSCH->BTCGH", probs, v_buf.astype(x.dtype))
         return self._proj(out.reshape(b, t, -1), "o"), k_buf, v_buf
 
 
@@ -176,7 +188,7 @@ class MLP(nnx.Module):
         self.w_up = _dense_param(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
         self.w_down = _dense_param(rngs, c.ffn_dim, c.dim, c, c.ffn_dim**-0.5, ("ffn", "embed"))
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         dt = self.dtype
         gate, up = linear.dense_many(x, (self.w_gate[...].astype(dt), self.w_up[...].astype(dt)), self.layout)
         h = jax.nn.silu(gate) * up

@@ -4,7 +4,8 @@ The functional core is `Decoder` (static: proposer, acceptance rule, sampling me
 with pure `prefill`, `decode`, `insert` and `step`; the sampling method is `sampling.Greedy()` or
 `sampling.Sample()` (the top-level `Greedy` is the exact-match acceptance rule); `Inputs` holds the
 per-row arrays; `generate` jits and runs them. `Engine` and `Scheduler` are hosts over the same
-primitives.
+primitives. Shapes in type hints and einsum strings use one dimension alphabet, written once at
+the top of `specjax.models.llama`.
 """
 
 from specjax import acceptance, sampling

@@ -27,7 +27,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sampling
 from specjax.sampling import Sampling, SamplingParams
@@ -40,7 +40,7 @@ class Accepted:
     """What a rule kept: per row, drafts accepted, the path's window slots, the next token."""
 
     n: Int[Array, "B"]
-    path: Int[Array, "B D+1"]
+    path: Int[Array, "B R"]
     next: Int[Array, "B"]
 
     @property
@@ -108,7 +108,7 @@ def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] 
     return n, nxt
 
 
-def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepted:
+def walk(ok: Bool[Array, "B K"], x: Int[Array, "B W"], topo: tree.AnyTopology) -> Accepted:
     """The deepest node whose whole path is kept (`ok` per node), and the target's token there.
 
     Siblings carry distinct tokens, so at most one path matches; ties (typical acceptance) go to
@@ -121,12 +121,12 @@ def walk(ok: Int[Array, "B N"], x: Int[Array, "B W"], topo: Topology) -> Accepte
     n = jnp.take_along_axis(depth, leaf[:, None], axis=1)[:, 0]
     d = jnp.arange(topo.max_depth + 1)
     leaf_anc = jnp.take_along_axis(anc, leaf[:, None, None], axis=1)[:, 0]  # [B, W]
-    at_depth = leaf_anc[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, D+1, W]
+    at_depth = leaf_anc[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, R, W]
     path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)
     return Accepted(n=n, path=path, next=jnp.take_along_axis(x, leaf[:, None], axis=1)[:, 0])
 
 
-def _chain_path(n: Array, topo: Topology) -> Array:
+def _chain_path(n: Array, topo: tree.AnyTopology) -> Array:
     return jnp.broadcast_to(jnp.arange(topo.max_depth + 1, dtype=jnp.int32), (n.shape[0], topo.max_depth + 1))
 
 
@@ -137,7 +137,7 @@ class Greedy:
     lossless: ClassVar[bool] = True
     needs_chain: ClassVar[bool] = False
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
+    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
         x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return walk(nodes == tree.at_parents(x, topo), x, topo)
 
@@ -149,7 +149,7 @@ class SpecInfer:
     lossless: ClassVar[bool] = True
     needs_chain: ClassVar[bool] = False
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
+    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
         x = config.draws(keys, logits, params)  # draws at all slots up front; the walk uses some
         return walk(nodes == tree.at_parents(x, topo), x, topo)
 
@@ -165,7 +165,7 @@ class Speculative:
         """What a rejection draws from, before normalising: max(0, p - q) (overridden only by tests)."""
         return jnp.maximum(p - q, 0.0)
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
+    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
         if config.greedy:
             n, nxt = greedy(nodes, logits)
         else:
@@ -190,11 +190,11 @@ class TypicalAcceptance:
             raise ValueError(f"typical acceptance ({self.epsilon}, {self.delta}): need 0 < epsilon < 1 "
                              "and 0 < delta < 1")
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: Topology) -> Accepted:
+    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
         if config.greedy:
             return Greedy().accept(config, keys, nodes, q, logits, params, topo)
         p = sampling.probs(logits, params)  # [B, W, V]
-        p_par = tree.at_parents(p, topo)  # [B, N, V]
+        p_par = tree.at_parents(p, topo)  # [B, K, V]
         p_x = jnp.take_along_axis(p_par, nodes[..., None], axis=-1)[..., 0]
         ent = -jnp.sum(jnp.where(p_par > 0, p_par * jnp.log(jnp.where(p_par > 0, p_par, 1.0)), 0.0), -1)
         ok = p_x > jnp.minimum(self.epsilon, self.delta * jnp.exp(-ent))
@@ -208,7 +208,7 @@ Rule = Greedy | SpecInfer | Speculative | TypicalAcceptance
 RULES = {"greedy": Greedy, "specinfer": SpecInfer, "speculative": Speculative, "typical": TypicalAcceptance}
 
 
-def default_rule(config: Sampling, topo: Topology):
+def default_rule(config: Sampling, topo: tree.AnyTopology):
     """Greedy decoding: exact match. Sampling: Leviathan's rule on a chain, SpecInfer on a tree."""
     if config.greedy:
         return Greedy()

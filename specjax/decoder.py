@@ -19,7 +19,7 @@ def run(params, inputs):
 One speculative step reads as the algorithm does, for chains and trees alike:
 
 ```
-nodes, q = propose(...)                  # [B, N] drafted tokens (+ q [B, N, V] when sampled)
+nodes, q = propose(...)                  # [B, K] drafted tokens (+ q [B, K, V] when sampled)
 out = verify(target, state, nodes)       # one target pass over the window (tree mask)
 acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
 state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, PyTree
 
 from specjax import acceptance, sampling, sharding, tree
 from specjax.proposers.base import Proposer
@@ -50,7 +50,8 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
 from specjax.sampling import Sampling, SamplingParams
-from specjax.state import DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn, step_keys, tick
+from specjax.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn,
+                           step_keys, tick)
 
 MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
@@ -186,10 +187,10 @@ class Inputs:
 class Stats:
     """Per-row speculation counters, on device (`specjax.telemetry.SpecCounters` on the host)."""
 
-    drafted: Int[Array, "B"]  # draft tokens verified (a tree counts every node)
-    accepted: Int[Array, "B"]
-    accepted_per_position: Int[Array, "B D"]  # how often the draft at depth j + 1 was kept
-    accept_hist: Int[Array, "B D+1"]  # how often a step kept exactly n drafts
+    drafted: Int[AnyArray, "B"]  # draft tokens verified (a tree counts every node)
+    accepted: Int[AnyArray, "B"]
+    accepted_per_position: Int[AnyArray, "B A"]  # how often the draft at depth j + 1 was kept
+    accept_hist: Int[AnyArray, "B A+1"]  # how often a step kept exactly n drafts
 
     @classmethod
     def zeros(cls, batch: int, depth: int) -> "Stats":
@@ -219,7 +220,7 @@ class State:
     stats: Stats
 
 
-def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B N"], topo: tree.Topology,
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology,
            taps: tuple[int, ...] = ()) -> Output:
     """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
 
@@ -339,7 +340,7 @@ class Decoder:
                       stats=Stats.zeros(inputs.batch_size, self.depth))
         return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
 
-    def insert(self, state: State, row: State, slot: Int[Array, ""]) -> State:
+    def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
         """`state` with row `slot` replaced by the batch-of-one `row` (same cache length)."""
         return insert_row(state, row, slot)
 

@@ -193,7 +193,7 @@ class Engine:
             eng.load_eagle(eagle)
         return eng
 
-    def _shipped_or(self, path: str, find, none_is: str, kind_flag: str, flag: str) -> str:
+    def _shipped_or(self, path: str, find, none_is: str, kind_flag: str, flag: str) -> str | pathlib.Path:
         """`path`, or for "default" the directory shipped for this model (`find(name)`)."""
         if path != "default":
             return path

@@ -67,9 +67,9 @@ class TableConfig:
 
 @struct.dataclass
 class NgramTable(sharding.Logical):
-    keys: Int[Array, "T N"]  # the n-gram, left-padded with -1; all -1 = empty
-    follow: Int[Array, "T W"]  # the tokens that followed it
-    owner: Int[Array, "T"] | None = None  # the tenant that wrote it (None: tenant 0 everywhere)
+    keys: Int[Array, "Z Ng"]  # the n-gram, left-padded with -1; all -1 = empty
+    follow: Int[Array, "Z Kf"]  # the tokens that followed it
+    owner: Int[Array, "Z"] | None = None  # the tenant that wrote it (None: tenant 0 everywhere)
     min_n: int = struct.field(pytree_node=False, default=2)
 
     def logical_axes(self):
@@ -94,7 +94,7 @@ class NgramTable(sharding.Logical):
         return self.follow.shape[1]
 
 
-def _slot(grams: Int[Array, "... N"], n: int, size: int, tenant=None) -> Int[Array, "..."]:
+def _slot(grams: Int[Array, "... Ng"], n: int, size: int, tenant=None) -> Int[Array, "..."]:
     """Hash of the last n tokens of each gram (and of n, and of the tenant) to a slot."""
     h = jnp.full(grams.shape[:-1], np.uint32((n * int(_MULT)) % (1 << 32)), jnp.uint32)
     if tenant is not None:  # tenant 0 hashes as no tenant
@@ -104,7 +104,7 @@ def _slot(grams: Int[Array, "... N"], n: int, size: int, tenant=None) -> Int[Arr
     return ((h >> 7) % np.uint32(size)).astype(jnp.int32)
 
 
-def _padded(grams: Int[Array, "... N"], n: int) -> Int[Array, "... N"]:
+def _padded(grams: Int[Array, "... Ng"], n: int) -> Int[Array, "... Ng"]:
     """The key of the last n tokens: earlier columns set to -1."""
     col = jnp.arange(grams.shape[-1]).reshape((1,) * (grams.ndim - 1) + (-1,))
     return jnp.where(col >= grams.shape[-1] - n, grams, -1)
@@ -120,7 +120,7 @@ def add(table: NgramTable, tokens: Int[Array, "B S"], old_lengths: Int[Array, "B
     pos = old_lengths[:, None] + j  # newly committed positions [B, J]
     end = pos - w  # the n-gram ends here; its followers are end + 1 .. pos
     gather = lambda cols: jnp.take_along_axis(tokens, jnp.clip(cols, 0, s - 1).reshape(b, -1), axis=1).reshape(cols.shape)
-    grams = gather(end[..., None] - nmax + 1 + jnp.arange(nmax)[None, None, :])  # [B, J, N]
+    grams = gather(end[..., None] - nmax + 1 + jnp.arange(nmax)[None, None, :])  # [B, J, Ng]
     follow = gather(end[..., None] + 1 + jnp.arange(w)[None, None, :])  # [B, J, W]
     tenant = jnp.zeros((b,), jnp.int32) if tenant is None else tenant.astype(jnp.int32)
     keys, slots, ok = [], [], []
@@ -153,7 +153,7 @@ def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"
     if k > table.width:
         raise ValueError(f"prompt lookup k={k} exceeds the n-gram table's width {table.width}")
     cols = jnp.clip(lengths[:, None] - table.max_n + jnp.arange(table.max_n)[None, :], 0, s - 1)
-    grams = jnp.take_along_axis(tokens, cols, axis=1)  # the row's last max_n tokens [B, N]
+    grams = jnp.take_along_axis(tokens, cols, axis=1)  # the row's last max_n tokens [B, Ng]
     draft = jnp.zeros((b, k), jnp.int32)
     found = jnp.zeros((b,), bool)
     tenant = jnp.zeros((b,), jnp.int32) if tenant is None else tenant.astype(jnp.int32)

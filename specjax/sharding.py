@@ -266,7 +266,7 @@ def place_pparams(pparams, mesh: Mesh | None):
 
 
 def carry_specs(tree, mesh=None):
-    """PartitionSpecs of a decode state (or inputs): a `Logical` node (the KV buffers `[B, S, K, H]`
+    """PartitionSpecs of a decode state (or inputs): a `Logical` node (the KV buffers `[B, S, Kv, H]`
     over `data` and, where K divides tp, `model`; the shared n-gram table replicated) by the axes it
     names, scalars replicated; every other leaf has a leading batch dim split over `data`."""
     def leaf(x):  # empty arrays (a plain loop's per-depth counters) come out replicated anyway

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, Key
 
 from specjax import ngram_table, tree
 from specjax.models.kv_cache import KVCache
 from specjax.ngram_table import NgramTable
 from specjax.sampling import SamplingParams
+
+# A state's arrays: on device, or their numpy copies in a host view (`engine.Batch.view`).
+AnyArray = Array | np.ndarray
 
 
 @struct.dataclass
@@ -32,19 +36,19 @@ class Shared:
 
 @struct.dataclass
 class DecodeState:
-    tokens: Int[Array, "B S"]  # token at each position: prompt, then generated
-    lengths: Int[Array, "B"]  # committed tokens per row
-    prompt_lengths: Int[Array, "B"]
-    max_new: Int[Array, "B"]  # per-row budget of new tokens
-    done: Bool[Array, "B"]
-    cache: KVCache
-    sampling: SamplingParams
-    stop_ids: Int[Array, "B E"]  # per-row stop tokens, padded with -1
-    keys: Array  # [B] PRNG keys, one stream per row
-    row_forwards: Int[Array, "B"]  # target forwards while each row was still active
+    tokens: Int[AnyArray, "B S"]  # token at each position: prompt, then generated
+    lengths: Int[AnyArray, "B"]  # committed tokens per row
+    prompt_lengths: Int[AnyArray, "B"]
+    max_new: Int[AnyArray, "B"]  # per-row budget of new tokens
+    done: Bool[AnyArray, "B"]
+    cache: KVCache | None  # None (and sampling, keys) only in a host view (engine.Batch.view)
+    sampling: SamplingParams | None
+    stop_ids: Int[AnyArray, "B E"]  # per-row stop tokens, padded with -1
+    keys: Key[Array, "B"] | None  # PRNG keys, one stream per row
+    row_forwards: Int[AnyArray, "B"]  # target forwards while each row was still active
     shared: Shared  # the batch's part: step counter and n-gram table
-    contribute: Bool[Array, "B"] | None = None  # rows whose text may enter the table (None: all)
-    tenant: Int[Array, "B"] | None = None  # each row's scope of the table (None: tenant 0)
+    contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter the table (None: all)
+    tenant: Int[AnyArray, "B"] | None = None  # each row's scope of the table (None: tenant 0)
 
     @property
     def forwards(self) -> Int[Array, ""]:
@@ -133,8 +137,8 @@ def tick(state: DecodeState) -> DecodeState:
                          row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
 
 
-def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], accepted,
-                topo: tree.Topology) -> DecodeState:
+def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], accepted,
+                topo: tree.AnyTopology) -> DecodeState:
     """Commits a verified window: the accepted path's tokens and K/V, then the next token.
 
     `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted
@@ -143,7 +147,7 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B N"], ac
     """
     b = nodes.shape[0]
     window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
-    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, D]
+    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, A]
     new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
     new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
     if not topo.is_chain:

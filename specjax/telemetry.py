@@ -114,7 +114,7 @@ class StopReason(enum.StrEnum):
     ERROR = "error"  # a scheduler request that failed
 
 
-def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int) -> StopReason:
+def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int | np.integer) -> StopReason:
     """Why a finished row stopped: at a stop token, at its budget, or with its cache full."""
     if tokens and tokens[-1] in set(int(t) for t in stop_ids if t >= 0):
         return StopReason.STOP_TOKEN

@@ -145,10 +145,15 @@ class Window:
 
 @struct.dataclass
 class DraftTree:
-    """What a dynamic-tree proposer drafts: the nodes' tokens `[B, N]` and the tree they form."""
+    """What a dynamic-tree proposer drafts: the nodes' tokens `[B, K]` and the tree they form."""
 
-    tokens: Int[Array, "B N"]
+    tokens: Int[Array, "B K"]
     window: Window
+
+
+# What a step verifies against: a static tree (or chain), a dynamic tree's static bounds, or the
+# traced per-row trees a dynamic-tree proposer drafted.
+AnyTopology = Topology | DynamicTopology | Window
 
 
 def at_parents(x: Array, topo: "Topology | Window") -> Array:
@@ -190,17 +195,17 @@ def chain_topology(k: int) -> Topology:
     return topology(chain(k))
 
 
-def compact(cache: KVCache, start: Int[Array, "B"], path: Int[Array, "B P"]) -> KVCache:
+def compact(cache: KVCache, start: Int[Array, "B"], path: Int[Array, "B R"]) -> KVCache:
     """Moves the K/V at window slots `path[:, d]` to cache slot `start + d`, in every layer.
 
     Gathers P slots and writes P slots per row and layer; nothing cache-sized is copied.
     Slots past the accepted depth receive junk that is never attended (beyond the length).
     """
-    src = start[:, None] + path  # absolute source slots [B, P]
+    src = start[:, None] + path  # absolute source slots [B, R]
     upd = lambda b, m, s: jax.lax.dynamic_update_slice(b, m, (s, 0, 0))
 
     def move(buf):
-        moved = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)  # [B, P, Kv, H]
+        moved = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)  # [B, R, Kv, H]
         return jax.vmap(upd)(buf, moved, start)
 
     return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

@@ -319,7 +319,7 @@ def losses(head: EagleHead, embed, w_ids, ids, teach, tokens, mask, key, cfg: Ea
         return x[:, 1: t - 1].reshape((b * m,) + x.shape[2:])[idx]
 
     h_next = at_next(hidden).astype(jnp.float32)
-    log_p = jnp.einsum("ND,VD->NV", h_next, w_ids.astype(jnp.float32)) - at_next(lse)[:, None]
+    log_p = jnp.einsum("BD,VD->BV", h_next, w_ids.astype(jnp.float32)) - at_next(lse)[:, None]
     log_p = jnp.where(live[:, None], log_p, -30.0)  # padding rows (row 0 repeated): finite, and weighed 0
     top_next, feat_next = at_next(top), at_next(target_feat)
 

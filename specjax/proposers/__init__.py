@@ -11,8 +11,8 @@ arrays (draft weights, caches) travel separately as `params` (built with it by i
 - `taps`: target layers whose input it reads (an EAGLE-3 head); () for none.
 - `init(params, state, inputs, hidden) -> pstate`: after the target prefill (inside jit), with the
   target's final hidden states at every prompt position `[B, P, D]`.
-- `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, N], q, pstate)`: q is the
-  `[B, N, V]` distribution the drafts were sampled from, or None when the proposer is
+- `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, K], q, pstate)`: q is the
+  `[B, K, V]` distribution the drafts were sampled from, or None when the proposer is
   deterministic (one-hot q).
 - `reconcile(params, pstate, state, verify, accepted) -> pstate`: after the commit, with the verify
   pass's whole output (`verify.hidden` at every window slot `[B, W, D]`, `verify.logits`) and the

@@ -56,7 +56,7 @@ class DraftModelProposer(Chain):
         _, cache = model.hidden_states(prompts, positions, cache)
         return cache
 
-    def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int):
+    def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int | jax.Array):
         if sampling_config.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         q = sampling.probs(logits, state.sampling)

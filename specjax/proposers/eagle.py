@@ -155,7 +155,7 @@ class EagleProposer:
     def reconcile(self, params: EagleParams, pstate: EagleState, state: DecodeState, verify, accepted) -> EagleState:
         """The head's entries for the accepted path, from the target's features there."""
         head = self._head(params)
-        path = accepted.path  # [B, D+1] window slots, root first
+        path = accepted.path  # [B, R] window slots, root first
         width = path.shape[1]
         feats = jnp.take_along_axis(eagle_model.features_of(self.config, verify), path[:, :, None], axis=1)
         start = jnp.maximum(state.lengths - accepted.n - 2, 0)  # the old pending position

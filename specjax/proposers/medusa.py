@@ -42,7 +42,7 @@ class MedusaParams(sharding.Logical):
 
     heads: Any  # the heads' nnx.State
     lm_head: Float[Array, "..."]
-    ids: Int[Array, "Vs"] | None  # Vs: the subset size
+    ids: Int[Array, "Vd"] | None  # Vd: the subset size
     embed: Float[Array, "V D"]
     lm_axes: tuple[str, str] = struct.field(pytree_node=False, default=("vocab", "embed"))
 
