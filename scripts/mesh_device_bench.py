@@ -72,7 +72,7 @@ def roofline(eng: Engine, batch: int, prompt_len: int, max_new: int, bandwidth: 
     """Plain step: every device reads its weight shard and its whole KV-cache shard (attention reads
     all S slots of the position-indexed cache, masked)."""
     rows = eng.rows_for(batch)
-    dec, _ = eng.decoder(SpecConfig(), prompt_bucket=eng.bucket_for(prompt_len), max_new_tokens=max_new)
+    dec, _ = eng.build_decoder(SpecConfig(), prompt_bucket=eng.bucket_for(prompt_len), max_new_tokens=max_new)
     mem = sharding.memory_report(eng, batch=rows, cache_length=dec.cache_length)
     step_bytes = mem["weights"] + mem["cache"]
     return dict(batch=batch, rows=rows, weights_bytes_per_device=mem["weights"],

@@ -11,7 +11,7 @@ the top of `specjax.models.llama`.
 from specjax import acceptance, sampling
 from specjax.acceptance import Greedy, SpecInfer, Speculative, TypicalAcceptance
 from specjax.config import SpecConfig
-from specjax.decoder import Decoder, Inputs, State, Stats, cache_length, generate, new_tokens
+from specjax.core import Decoder, Inputs, State, Stats, cache_length, generate, new_tokens
 from specjax.engine import Engine, GenerateOptions, Result
 from specjax.proposers import (DraftModelProposer, EagleParams, EagleProposer, MedusaParams, MedusaProposer,
                                NgramProposer)

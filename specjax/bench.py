@@ -175,7 +175,7 @@ def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int) -
 
     longest = max(len(x) for x in engine.encode([p.text for p in prompts], chat=chat))
     bucket = engine.bucket_for(longest)
-    cache = max(engine.decoder(s, prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)[0].cache_length
+    cache = max(engine.build_decoder(s, prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)[0].cache_length
                 for s in specs.values())
     return sharding.memory_report(engine, batch=engine.rows_for(batch_size), cache_length=cache)
 

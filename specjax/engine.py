@@ -3,7 +3,7 @@
 The Engine decides nothing about decoding itself: it builds a `specjax.Decoder` (proposer from the
 registry, acceptance rule, sampling method, cache length from `decoder.cache_length`) and `Inputs`
 (per-row arrays, keys from the seed and each row's global index), and runs the jitted programs of
-`specjax.decoder`. Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept in
+`specjax.core`. Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept in
 a cache keyed by everything that shapes them: the program, the `Decoder`, and the tree structure,
 shapes, dtypes and shardings of the arguments. Everything else is an array, so a second prompt in
 the same bucket reuses the program.
@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax import decoder as core
+from specjax import core
 from specjax import sampling, sharding, telemetry
 from specjax.config import SpecConfig
-from specjax.decoder import MAX_STOP_IDS, Decoder, Inputs, State
+from specjax.core import MAX_STOP_IDS, Decoder, Inputs, State
 from specjax.proposers import registry
 from specjax.proposers.medusa import LoadedHeads
 from specjax.sampling import Sampling
@@ -308,7 +308,7 @@ class Engine:
         """The static proposer and its params for `spec` ((None, None) for plain decoding)."""
         return registry.build(spec, self.assets)
 
-    def decoder(self, spec: SpecConfig, *, sampling: Sampling | str = "greedy",
+    def build_decoder(self, spec: SpecConfig, *, sampling: Sampling | str = "greedy",
                 cache_length: int | None = None, prompt_bucket: int | None = None,
                 max_new_tokens: int | None = None, headroom: int = 0, built: tuple | None = None):
         """The `Decoder` for `spec` and its proposer params.
@@ -387,7 +387,7 @@ class Engine:
 
     # ---- compile cache -------------------------------------------------------------------------
     def program(self, fn, decoder, *args, weights: bool = True, **statics):
-        """The compiled `fn(graphdef, params, *args, decoder=..., **statics)` and the seconds spent
+        """The compiled `fn(graphdef, params, *args, static=decoder, **statics)` and the seconds spent
         compiling it now (0 when cached). `weights=False`: `fn(*args, **statics)`, a program that
         reads no weights (a slot operation); call it without them."""
         leaves, treedef = jax.tree.flatten(args)
@@ -396,7 +396,7 @@ class Engine:
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
-        kw = dict(statics) if decoder is None else dict(statics, decoder=decoder)
+        kw = dict(statics) if decoder is None else dict(statics, static=decoder)
         model = (self.graphdef, self.params) if weights else ()
         with sharding.use(self.mesh):  # the constraints inside resolve against this mesh
             self._compiled[key] = fn.lower(*model, *args, **kw).compile()
@@ -420,7 +420,7 @@ class Engine:
             raise ValueError(f"{len(ids)} prompts for batch_size={b}: split them (see generate)")
         sharding.check_batch(b, self.mesh)
         bucket = self.bucket_for(max(len(x) for x in ids))
-        dec, pparams = self.decoder(spec, sampling=sampling_config or opts.sampling, cache_length=cache_length,
+        dec, pparams = self.build_decoder(spec, sampling=sampling_config or opts.sampling, cache_length=cache_length,
                                     prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens, built=built)
         pick = lambda v: v if len(_values(v)) == 1 else list(v)
         inputs = Inputs.create(ids, bucket=bucket, batch_size=b, max_new_tokens=opts.max_new_tokens,
@@ -478,7 +478,7 @@ class Batch:
         self.compile_s = 0.0
         self._prefill = self._compile(core.prefill_program, pparams, inputs)
         with sharding.use(engine.mesh):
-            abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, decoder=decoder),
+            abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, static=decoder),
                                       engine.graphdef, engine.params, pparams, inputs)
         abstract = sharding.abstract_carry(abstract, engine.mesh)  # eval_shape drops shardings
         stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), np.int32), engine.mesh)

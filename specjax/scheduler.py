@@ -48,11 +48,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
-from specjax import decoder as core
+from specjax import core
 from specjax import sharding, slots as slot_ops, telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
-from specjax.decoder import Decoder, Inputs, State, Stats
+from specjax.core import Decoder, Inputs, State, Stats
 from specjax.slots import HostView, Slots
 from specjax.state import DecodeState
 from specjax.engine import Engine, GenerateOptions
@@ -367,7 +367,7 @@ class Scheduler:
             return
         longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
         self.bucket = self.engine.bucket_for(longest)
-        built = {o: self.engine.decoder(s, sampling=self.sc, prompt_bucket=self.bucket, built=self._built[o],
+        built = {o: self.engine.build_decoder(s, sampling=self.sc, prompt_bucket=self.bucket, built=self._built[o],
                                         max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
@@ -403,7 +403,7 @@ class Scheduler:
                     self._programs[("put", o, size)] = self._compile(
                         slot_ops.put_program, self.state, self.pstates.get(o), st, ps, weights=False)
                 s = State(decode=st, proposer=ps, stats=self._stats(size, d.depth))
-                self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, decoder=d)
+                self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, static=d)
                 self._compile(slot_ops.view_program, self.state, s.stats, weights=False)  # see _read
         if self.ccfg is not None:
             # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
@@ -469,8 +469,8 @@ class Scheduler:
         `prepare` compiled the program for every shape."""
         return jax.device_get(self._compile(slot_ops.view_program, state, stats, weights=False)(state, stats))
 
-    def _compile(self, fn, *args, decoder=None, **statics):
-        prog, seconds = self.engine.program(fn, decoder, *args, **statics)
+    def _compile(self, fn, *args, static=None, **statics):
+        prog, seconds = self.engine.program(fn, static, *args, **statics)
         self.compile_s += seconds
         return prog
 

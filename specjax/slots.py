@@ -31,20 +31,21 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
-from specjax.decoder import Decoder, Inputs, Stats
+from specjax.core import Decoder, Inputs, Stats
 from specjax.models.llama import Llama
-from specjax.state import DecodeState, insert_row, rows_map
+from specjax.state import AnyArray, DecodeState, insert_row, rows_map
 
 
 @struct.dataclass
 class HostView:
-    """What the host reads of a batch after a chunk or an insert, read back in one transfer."""
+    """What the host reads of a batch after a chunk or an insert, read back in one transfer (device
+    arrays inside the view program, numpy after `jax.device_get`)."""
 
-    tokens: Int[Array, "B S"]
-    lengths: Int[Array, "B"]
-    done: Bool[Array, "B"]
-    row_forwards: Int[Array, "B"]
-    forwards: Int[Array, ""]
+    tokens: Int[AnyArray, "B S"]
+    lengths: Int[AnyArray, "B"]
+    done: Bool[AnyArray, "B"]
+    row_forwards: Int[AnyArray, "B"]
+    forwards: Int[AnyArray, ""]
     stats: Stats | None = None
 
 

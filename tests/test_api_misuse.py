@@ -6,7 +6,7 @@ returned [], and `stream(chunk=0)` never returned.)"""
 import pytest
 
 from specjax.config import SpecConfig
-from specjax.decoder import Inputs
+from specjax.core import Inputs
 from specjax.engine import Engine, GenerateOptions
 from specjax.scheduler import Scheduler
 

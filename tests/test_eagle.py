@@ -9,7 +9,7 @@ from flax import nnx
 
 from specjax import tree as tree_lib
 from specjax.config import SpecConfig
-from specjax.decoder import Decoder, Inputs
+from specjax.core import Decoder, Inputs
 from specjax.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
@@ -90,7 +90,7 @@ def dynamic_tree(tiny_model, head, ids, spec, prompts):
 def test_dynamic_tree_mask_equals_a_forward_over_each_path(tiny_model, trained):
     """Every node of the tree built on device sees the committed prefix and its ancestors only:
     its verify logits equal a causal forward over prefix + path."""
-    from specjax.decoder import verify
+    from specjax.core import verify
 
     head, ids = trained
     dec, state, drafts = dynamic_tree(tiny_model, head, ids, dict(k=3, nodes=10, topk=3), PROMPTS[:2])
@@ -191,7 +191,7 @@ def test_fused_feature_head_equals_plain(tiny_model, ref):
     eng.set_eagle(EagleHead(cfg, rngs=nnx.Rngs(5)), np.arange(64))
     for spec in (SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=6)):
         assert [r.tokens for r in eng.generate(PROMPTS, max_new_tokens=NEW, spec=spec)] == ref
-    dec, _ = eng.decoder(SpecConfig(method="eagle", k=3), cache_length=64)
+    dec, _ = eng.build_decoder(SpecConfig(method="eagle", k=3), cache_length=64)
     assert dec.taps == (0, 1)
 
 
@@ -199,7 +199,7 @@ def test_a_broken_rule_with_the_eagle_chain_is_detected():
     """The chi-square test has power here too: the same EAGLE chain with the rejection rule broken
     (resample from p) is rejected, with the library's rule accepted above."""
     import test_lossless as tl
-    from specjax.decoder import generate, new_tokens
+    from specjax.core import generate, new_tokens
 
     target = loader.init_model(tl.CONFIG, seed=0)
     head = EagleHead(EagleConfig.for_model(tl.CONFIG, draft_vocab=tl.V), rngs=nnx.Rngs(3))

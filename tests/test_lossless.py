@@ -18,8 +18,8 @@ from flax import nnx
 from scipy import stats
 
 from specjax import acceptance, sampling
-from specjax.decoder import Decoder, Inputs, new_tokens
-from specjax.decoder import generate as specjax_generate
+from specjax.core import Decoder, Inputs, new_tokens
+from specjax.core import generate as specjax_generate
 from specjax.config import SpecConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config

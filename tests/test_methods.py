@@ -107,7 +107,7 @@ def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
     from flax import nnx
 
     from specjax import tree
-    from specjax.decoder import Decoder
+    from specjax.core import Decoder
     from specjax.models import config as model_config
     from specjax.models import loader
     from specjax.models.eagle import EagleConfig, EagleHead
@@ -134,7 +134,7 @@ def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
 
 
 def test_a_proposer_without_the_protocol_is_refused():
-    from specjax.decoder import Decoder
+    from specjax.core import Decoder
 
     @dataclasses.dataclass(frozen=True)
     class Bare:  # propose alone: no topology, taps, init, reconcile

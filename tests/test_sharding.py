@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import specjax
 from specjax import sharding
 from specjax.config import SpecConfig
-from specjax.decoder import Decoder, Inputs, new_tokens
+from specjax.core import Decoder, Inputs, new_tokens
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
@@ -224,10 +224,10 @@ def test_single_device_programs_carry_no_sharding(assets):
     target = assets[0]
     eng = Engine(target)
     b = eng.start(PROMPTS[:2], GenerateOptions(max_new_tokens=4), spec=METHODS["ngram"])
-    from specjax import decoder as core
+    from specjax import core
 
     text = core.prefill_program.lower(eng.graphdef, eng.params, b.pparams, b.inputs,
-                                      decoder=b.decoder).as_text()
+                                      static=b.decoder).as_text()
     # jax's own PRNG lowering pins key data to the empty mesh; nothing else is annotated
     assert all("@empty_mesh" in line for line in text.splitlines() if "sharding" in line)
     assert '"data"' not in text and '"model"' not in text and "all_reduce" not in text

@@ -3,6 +3,8 @@
 The scheduler's end-to-end checks (every request gets its batch-of-one tokens, on one device and on an
 8-device mesh) are in test_scheduler.py and test_sharding.py; these pin each operation alone."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from flax import nnx
 
 from specjax import slots as slot_ops
-from specjax.decoder import Decoder, Inputs, State, Stats, decode_program
+from specjax.core import Decoder, Inputs, State, Stats, decode_program
 from specjax.proposers.ngram import NgramProposer
 from specjax.slots import Slots
 
@@ -32,13 +34,16 @@ def _rows(prompts, **kw):
     return Inputs.create(prompts, bucket=8, max_new_tokens=12, **kw)
 
 
-def _host(tree, pick=lambda x: x):
-    """Numpy copies of a state's arrays (keys as their data), `pick` applied to each."""
+def _host(state, pick=lambda x: x):
+    """Numpy copies of a decode state's per-row arrays (keys as their data; `k0`: layer 0's K cache),
+    `pick` applied to each, as a namespace (a host copy, not a DecodeState)."""
     def one(x):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         return pick(np.asarray(x))
-    return jax.tree.map(one, tree)
+    names = ("tokens", "lengths", "prompt_lengths", "max_new", "done", "row_forwards", "keys", "forwards")
+    out = {n: one(getattr(state, n)) for n in names}
+    return types.SimpleNamespace(**out, k0=one(state.cache.k[0]))
 
 
 def _leaves_equal(a, b):
@@ -60,7 +65,7 @@ def test_insert_writes_one_row_and_keeps_the_others(ops, model):
         new, old, one = getattr(after, name), getattr(before, name), getattr(alone, name)
         assert np.array_equal(new[2], one[0]), name  # the row is the batch-of-one prefill
         assert np.array_equal(np.delete(new, 2, axis=0), np.delete(old, 2, axis=0)), name  # others kept
-    assert np.array_equal(after.cache.k[0][2], alone.cache.k[0][0])
+    assert np.array_equal(after.k0[2], alone.k0[0])
     assert int(after.forwards) == int(before.forwards)  # the batch's step counter is not the row's
 
 
@@ -71,17 +76,17 @@ def test_release_move_take_put(ops, model):
     state = slot_ops.release_program(state, np.int32(1))
     assert np.asarray(state.done).tolist() == [False, True, False, False]
 
-    row3 = _host(state, lambda x: x[3] if x.ndim else None)
+    row3 = _host(state, lambda x: x[3] if x.ndim else x)
     state, pstates = slot_ops.move_program(state, pstates, np.int32(3), np.int32(1))
-    moved = _host(state, lambda x: x[1] if x.ndim else None)
-    assert np.array_equal(moved.tokens, row3.tokens) and np.array_equal(moved.cache.k[0], row3.cache.k[0])
+    moved = _host(state, lambda x: x[1] if x.ndim else x)
+    assert np.array_equal(moved.tokens, row3.tokens) and np.array_equal(moved.k0, row3.k0)
     assert np.asarray(state.done).tolist() == [False, False, False, True]  # the source is free
 
     sub, sub_p = slot_ops.take_program(state, pstates[0], size=2)
     assert sub.tokens.shape[0] == 2 and _leaves_equal(sub.tokens, state.tokens[:2])
     full = _host(state)
     loop = State(decode=sub, proposer=sub_p, stats=Stats.zeros(2, 0))
-    ran = decode_program(graphdef, params, None, loop, np.int32(3), decoder=ops.base)
+    ran = decode_program(graphdef, params, None, loop, np.int32(3), static=ops.base)
     state, _ = slot_ops.put_program(state, pstates[0], ran.decode, ran.proposer)
     out = _host(state)
     assert int(out.forwards) == 3  # the steps the sub-batch ran

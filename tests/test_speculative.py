@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.decoder import verify
+from specjax.core import verify
 from specjax.config import SpecConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.config import SpecConfig
-from specjax.decoder import row_keys
+from specjax.core import row_keys
 from specjax.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
 from specjax.scheduler import Scheduler

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from specjax.config import TREES, SpecConfig
-from specjax.decoder import verify
+from specjax.core import verify
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import eagle_io, heads_io
 from specjax.models.eagle import EagleConfig, EagleHead

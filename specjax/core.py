@@ -266,7 +266,7 @@ class Decoder:
         object.__setattr__(self, "sampling", sampling.method(self.sampling))
         if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
             raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
-                             f"({self.window}); see specjax.decoder.cache_length")
+                             f"({self.window}); see specjax.core.cache_length")
         if self.proposer is None:
             if self.acceptance is not None:
                 raise ValueError("an acceptance rule needs a proposer: the plain loop accepts nothing")
@@ -387,14 +387,16 @@ def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> D
 # ---- jitted programs (what the hosts compile) ----------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "decoder"))
-def prefill_program(graphdef, params, pparams, inputs: Inputs, *, decoder: Decoder) -> State:
-    return decoder.prefill(nnx.merge(graphdef, params), pparams, inputs)
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+def prefill_program(graphdef, params, pparams, inputs: Inputs, *, static: Decoder) -> State:
+    """`static.prefill`, jitted: `static` is the Decoder (everything that shapes the program)."""
+    return static.prefill(nnx.merge(graphdef, params), pparams, inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "decoder"), donate_argnames=("state",))
-def decode_program(graphdef, params, pparams, state: State, stop_at, *, decoder: Decoder) -> State:
-    return decoder.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def decode_program(graphdef, params, pparams, state: State, stop_at, *, static: Decoder) -> State:
+    """`static.decode`, jitted, the carry donated."""
+    return static.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
 
 
 def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
@@ -411,8 +413,8 @@ def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, me
         inputs = sharding.place_inputs(inputs, mesh)
     graphdef, params = nnx.split(model)
     with sharding.use(mesh):
-        state = prefill_program(graphdef, params, pparams, inputs, decoder=decoder)
-        return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), decoder=decoder)
+        state = prefill_program(graphdef, params, pparams, inputs, static=decoder)
+        return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), static=decoder)
 
 
 def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:
