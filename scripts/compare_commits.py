@@ -6,9 +6,13 @@ train_heads/). Workers for the two commits alternate (A B A B ...), each in its 
 drift on a busy machine spreads over both. Per commit and method: tokens per second (wall time
 includes time to first token, compile excluded), tau, time to first token and compile time.
 
+With `--scheduler SLOTS` every method serves all prompts at once through a `Scheduler` of SLOTS
+slots instead (compile and warm-up excluded; tok/s is the run's tokens over its wall time), and
+`auto` (the adaptive controller over its default options) may be among the methods.
+
 Usage:
   python scripts/compare_commits.py BASE [HEAD] [--rounds 2] [--per-task 1] [--max-new-tokens 128]
-                                    [--methods none,ngram,medusa,medusa-tree]
+                                    [--methods none,ngram,medusa,medusa-tree] [--scheduler 4]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import tempfile
 
 METHODS = {"none": dict(), "ngram": dict(method="ngram", k=4), "medusa": dict(method="medusa", k=4),
-           "medusa-tree": dict(method="medusa", tree="heads")}
+           "medusa-tree": dict(method="medusa", tree="heads"), "auto": None}  # auto: --scheduler only
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -44,6 +48,8 @@ def worker(args) -> None:
 
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
     eng = Engine.load("smollm2-135m", heads="default")
+    if args.scheduler:
+        return print(json.dumps(_serve(eng, prompts, args)))
     rows = []
     for p in prompts:
         for m, kw in ((m, METHODS[m]) for m in args.methods.split(",")):
@@ -54,6 +60,31 @@ def worker(args) -> None:
     print(json.dumps(rows))
 
 
+def _serve(eng, prompts, args) -> list[dict]:
+    """Every method serves all prompts through one Scheduler of `args.scheduler` slots."""
+    import time
+
+    from specjax.config import SpecConfig
+    from specjax.engine import GenerateOptions
+    from specjax.scheduler import Scheduler
+
+    rows = []
+    for m in args.methods.split(","):
+        spec = "auto" if METHODS[m] is None else SpecConfig(**METHODS[m])
+        s = Scheduler(eng, slots=args.scheduler, spec=spec, opts=GenerateOptions(max_new_tokens=args.max_new_tokens),
+                      chat=True)
+        for p in prompts:
+            s.submit(p.text, task=p.task)
+        s.prepare()
+        s.warm()
+        t0 = time.perf_counter()
+        done = s.run()
+        wall = (time.perf_counter() - t0) / len(done)  # the run's wall time, spread over its requests
+        rows += [dict(method=m, task=r.task, tokens=r.tokens, new=len(r.tokens), wall=wall, ttft=r.ttft_s,
+                      compile=0.0, tau=r.tau, fwd=r.target_forwards) for r in done]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
@@ -62,11 +93,14 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared/data/specbench-dev.jsonl"))
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"some of {','.join(METHODS)}")
+    ap.add_argument("--methods", default="none,ngram,medusa,medusa-tree", help=f"some of {','.join(METHODS)}")
+    ap.add_argument("--scheduler", type=int, default=0, help="serve through a Scheduler of this many slots")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not args.methods or set(args.methods.split(",")) - set(METHODS):
         ap.error(f"--methods {args.methods!r}: give some of {','.join(METHODS)}")
+    if "auto" in args.methods.split(",") and not args.scheduler:
+        ap.error("auto is a scheduler policy: add --scheduler SLOTS")
     if args.worker:
         return worker(args)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="specjax-compare-"))
@@ -84,7 +118,7 @@ def main() -> None:
                 print(f"round {rnd + 1}: {name}", file=sys.stderr, flush=True)
                 out = subprocess.run([sys.executable, __file__, name, "--worker", str(pkg), "--per-task",
                                       str(args.per_task), "--max-new-tokens", str(args.max_new_tokens),
-                                      "--methods", args.methods,
+                                      "--methods", args.methods, "--scheduler", str(args.scheduler),
                                       "--prompts-file", args.prompts_file], check=True, capture_output=True,
                                      text=True, env=dict(os.environ, PYTHONPATH=str(pkg)))
                 results[name] += json.loads(out.stdout.strip().splitlines()[-1])

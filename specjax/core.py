@@ -107,11 +107,10 @@ class Inputs:
     tenant: Int[Array, "B"] | None = None  # the row's scope of that table (see specjax.ngram_table)
 
     @classmethod
-    def create(cls, prompts: Sequence[Sequence[int]], *, bucket: int | None = None,
-               batch_size: int | None = None, max_new_tokens: int | Sequence[int] = 128,
-               temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (),
-               seed: int | Sequence[int] = 0, row_ids: Sequence[int] | None = None,
-               contribute: bool | Sequence[bool] = True, tenant: int | Sequence[int] = 0) -> "Inputs":
+    def create(cls, prompts: Sequence, *, bucket: int | None = None,  # Sequence[Sequence[int]], checked here
+               batch_size=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
+               stop_ids: Sequence = (), seed=0, row_ids: Sequence | None = None, contribute=True,
+               tenant=0) -> "Inputs":
         """Pads token-id prompts into a batch.
 
         Args:
@@ -152,6 +151,12 @@ class Inputs:
                         top_p=top_p, contribute=contribute, tenant=tenant).items()}
         for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
             sampling.validate(t, k, tp)
+        for s in np.ravel(seed):
+            if int(s) != s or not 0 <= s < 2 ** 32:
+                raise ValueError(f"seed={s}: must be an integer in [0, 2**32)")
+        for t in per_row["tenant"]:
+            if int(t) != t or not 0 <= t < 2 ** 31:
+                raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
         if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be integers >= 1")
         pad = b - n

@@ -111,6 +111,7 @@ class Request:
     target_forwards: int = 0
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
+    inputs: Inputs | None = dataclasses.field(default=None, repr=False)  # its batch of one (Inputs.create)
 
     @property
     def ttft_s(self) -> float:
@@ -292,17 +293,12 @@ class Scheduler:
             raise ValueError(f"speculation {speculation.label}: this scheduler runs "
                              f"{', '.join(o.label for o in self.options)}")
         stops = tuple(dict.fromkeys([*self.engine.stop_ids(self.opts), *map(int, stop_ids)]))
-        if len(stops) > core.MAX_STOP_IDS:
-            raise ValueError(f"{len(stops)} stop tokens (the model's included): at most {core.MAX_STOP_IDS}")
-        if int(tenant) != tenant or not 0 <= tenant < 2 ** 31:
-            raise ValueError(f"tenant={tenant}: must be an integer in [0, 2**31)")
         seed = self.opts.seed if seed is None else seed
-        if int(seed) != seed or not 0 <= seed < 2 ** 32:
-            raise ValueError(f"seed={seed}: must be an integer in [0, 2**32)")
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
-                      opt_out=opt_out, contribute=contribute and not opt_out, seed=int(seed),
-                      speculation=speculation, tenant=int(tenant),
+                      opt_out=opt_out, contribute=contribute and not opt_out, seed=seed,
+                      speculation=speculation, tenant=tenant,
                       stop_ids=stops, stream=None if stream is None else int(stream), **sp)
+        req.inputs = self._inputs(req)  # validated once, at the core's boundary (Inputs.create); reused at insert
         self._next_id += 1
         self.requests.append(req)
         self.live[req.id] = req
@@ -482,12 +478,18 @@ class Scheduler:
             self._programs[("insert", p)] = self._compile(slot_ops.insert_program, *args, slots=ops)
         return self._programs[("insert", p)]
 
+    def _inputs(self, req: Request, bucket: int | None = None) -> Inputs:
+        """The request as a batch of one at its prompt bucket (validates its values)."""
+        return Inputs.create([req.ids], bucket=bucket or self.engine.bucket_for(len(req.ids)),
+                             max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k,
+                             top_p=req.top_p, stop_ids=req.stop_ids or self.engine.stop_ids(self.opts),
+                             seed=req.seed, row_ids=[max(req.id, 0) if req.stream is None else req.stream],
+                             contribute=req.contribute, tenant=req.tenant)
+
     def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
-        inputs = Inputs.create([req.ids], bucket=p, max_new_tokens=req.max_new_tokens,
-                               temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                               stop_ids=req.stop_ids or self.engine.stop_ids(self.opts), seed=req.seed,
-                               row_ids=[max(req.id, 0) if req.stream is None else req.stream],
-                               contribute=req.contribute, tenant=req.tenant)
+        inputs = req.inputs
+        if inputs is None or inputs.prompts.shape[1] != p:  # a placeholder warming bucket p
+            inputs = self._inputs(req, p)
         inputs = self._place(inputs)
         pstates = tuple(self.pstates[k] for k in self.specs)
         return (self._pparams, self.state, pstates, np.int32(slot), inputs)

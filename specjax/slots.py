@@ -89,8 +89,8 @@ class Slots:
         return sharding.constrain_carry(state.replace(done=state.done.at[slot].set(True)))
 
     @staticmethod
-    def move(state: DecodeState, pstates: tuple, src: Int[Array, ""],
-             dst: Int[Array, ""]) -> tuple[DecodeState, tuple]:
+    def move(state: DecodeState, pstates: Any, src: Int[Array, ""],
+             dst: Int[Array, ""]) -> tuple[DecodeState, Any]:
         """Moves row `src` (the decode state and every proposer state) to row `dst` and leaves `src`
         done: keeps the running rows packed at the front, so a chunk can run on the smallest batch
         that holds them (`take`)."""

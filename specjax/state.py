@@ -30,7 +30,7 @@ AnyArray = Array | np.ndarray
 class Shared:
     """What the rows of a batch share: the batch's step counter and the cross-request n-gram table."""
 
-    forwards: Int[Array, ""]  # target forward passes after prefill (loop control)
+    forwards: Int[AnyArray, ""]  # target forward passes after prefill (loop control)
     table: NgramTable | None = None  # written by every row's commits (`learn`), read by prompt lookup
 
 
@@ -51,7 +51,7 @@ class DecodeState:
     tenant: Int[AnyArray, "B"] | None = None  # each row's scope of the table (None: tenant 0)
 
     @property
-    def forwards(self) -> Int[Array, ""]:
+    def forwards(self) -> Int[AnyArray, ""]:
         return self.shared.forwards
 
     @property
@@ -59,7 +59,7 @@ class DecodeState:
         return self.shared.table
 
     @property
-    def num_new(self) -> Int[Array, "B"]:
+    def num_new(self) -> Int[AnyArray, "B"]:
         return self.lengths - self.prompt_lengths
 
     @property
