@@ -313,6 +313,7 @@ class Scheduler:
             return
         if req.status is Status.QUEUED:
             self.queue.remove(req)
+            req.inputs = None
         elif req.status is Status.RUNNING:
             self.state = self._programs["release"](self.state, np.int32(req.slot))
             self.slots[req.slot] = None
@@ -327,6 +328,7 @@ class Scheduler:
     def fail(self, req: Request, error: str) -> None:
         """Ends one request with an error (its slot, if it had one, is already free)."""
         req.status, req.finished_s, req.stop_reason, req.error = Status.FAILED, self.now(), StopReason.ERROR, error
+        req.inputs = None
         self.live.pop(req.id, None)
         self._lookups.pop(req.id, None)
         if self.controller is not None:
@@ -623,6 +625,7 @@ class Scheduler:
         p = self.engine.bucket_for(len(req.ids))
         prog = self._insert_program(p)
         self.state, ps = prog(self.engine.params, *self._insert_args(slot, req, p))
+        req.inputs = None  # inserted: its arrays are the batch's now (history keeps no device buffers)
         self.pstates = dict(zip(self.specs, ps))
         view = self._read(self.state)
         lengths, done, tokens = view.lengths, view.done, view.tokens

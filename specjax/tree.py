@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ def chain(k: int) -> Tree:
     return tuple((0,) * i for i in range(1, k + 1))
 
 
-def validate_tree(tree: Tree) -> None:
+def validate_tree(tree: Sequence) -> None:  # a Tree, checked here
     if not tree:
         raise ValueError("tree is empty: give at least one path, e.g. ((0,),)")
     if len(tree) > MAX_TREE_NODES:
