@@ -4,8 +4,10 @@ Requests arrive (all at once, N closed-loop clients, or Poisson at a given rate)
 slots of one fixed-shape batch. The batch decodes in chunks of `chunk` target steps with the same
 compiled loops `Engine.generate` uses; at each chunk boundary the host reads the new tokens, retires
 finished rows, and refills their slots: a batch-1 prefill of the next request at its own prompt
-bucket and the batch's cache length, scattered into the batch state (`_insert`). Nothing else of the
-batch moves, so the other rows continue exactly as if alone: a row's tokens depend only on its own
+bucket and the batch's cache length, scattered into the batch state. The slot operations (prefill,
+insert, release, move, take / put, the host view) are the core's (`specjax.slots`); the scheduler
+keeps queueing, timing, the controller and what the host reads, one replicated view per chunk, so
+it runs on a mesh as on one device. Nothing else of the batch moves, so the other rows continue exactly as if alone: a row's tokens depend only on its own
 prompt, key and position (see `state.step_keys`).
 
 Between chunks the speculation option may change (the adaptive `Controller`): the `DecodeState` is
@@ -16,8 +18,8 @@ for one step, a draft model's cache for good), which costs acceptance, never cor
 mixes only stateless or self-correcting proposers by default. When prompt lookup is one of auto's
 options, each chunk's new text is also replayed through it on the host (`ngram.replay`), so the
 controller learns what prompt lookup would have kept whatever option ran. Every program (empty
-batch, insert per bucket, release, one loop per option) compiles once through `Engine.program`, so
-`Engine.compile_count` tracks them.
+batch, insert per bucket, release, move, take / put and one loop per option and batch size, the
+views) compiles once in `prepare` through `Engine.program`, so `Engine.compile_count` tracks them.
 
 The scheduler is not thread-safe (slot operations donate the batch state): a server runs it in one
 engine thread and sends it submits and cancels as messages (`specjax.server`). A request that fails
@@ -45,8 +47,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jaxtyping import Array, Int
 
 from specjax import core
 from specjax import sharding, slots as slot_ops, telemetry
