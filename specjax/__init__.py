@@ -1,7 +1,7 @@
 """specjax: speculative decoding in JAX.
 
 The functional core is `Decoder` (static: proposer, acceptance rule, sampling method, cache length)
-with pure `prefill`, `decode`, `insert` and `step`; the sampling method is `sampling.Greedy()` or
+with pure `prefill`, `decode` and `step` (slot operations: `specjax.slots`); the sampling method is `sampling.Greedy()` or
 `sampling.Sample()` (the top-level `Greedy` is the exact-match acceptance rule); `Inputs` holds the
 per-row arrays; `generate` jits and runs them. `Engine` and `Scheduler` are hosts over the same
 primitives. Shapes in type hints and einsum strings use one dimension alphabet, written once at

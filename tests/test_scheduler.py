@@ -256,18 +256,24 @@ class SelectiveOracle(Stateless):
         return jnp.where(wrong, (true + 1) % 64, true), None, pstate
 
 
+def _selective_method(eng, prompts, monkeypatch) -> ControllerConfig:
+    """Registers method "selective" (`SelectiveOracle` over each prompt's plain continuation) and
+    returns auto's settings over plain and selective:4."""
+    table = np.zeros((64, 64), np.int32)
+    for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=M)):
+        table[p[0], : len(p) + len(r.tokens)] = p + r.tokens
+    monkeypatch.setitem(registry.RECORDS, "selective", registry.Record(
+        "selective", lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table))))
+    return ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
+
+
 def test_auto_falls_back_per_task_class(tiny_model, monkeypatch):
     """Class "copy" (drafts always right) keeps speculating, class "open" (never right) decodes plain
     once measured; the decision is in every chunk's record."""
     eng = Engine(tiny_model)
     tasks = ["copy", "open"] * 4
     prompts = [[3 + i, 5, 7] if t == "copy" else [40 + i, 5, 7] for i, t in enumerate(tasks)]
-    table = np.zeros((64, 64), np.int32)
-    for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=M)):
-        table[p[0], : len(p) + len(r.tokens)] = p + r.tokens
-    monkeypatch.setitem(registry.RECORDS, "selective", registry.Record(
-        "selective", lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table))))
-    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
+    cfg = _selective_method(eng, prompts, monkeypatch)
     # a fixed cost model (verify = 1.1 plain steps): timings of the tiny model are noise, and a
     # calibration that found the verify cheaper than a plain step once let an "open" row speculate
     fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="selective", k=4): 1.1})
@@ -293,12 +299,7 @@ def test_auto_switches_between_plain_and_speculation_without_compiling(tiny_mode
     eng = Engine(tiny_model)
     tasks = ["copy", "open", "open", "copy"]
     prompts = [[3 + i, 5, 7] if t == "copy" else [40 + i, 5, 7] for i, t in enumerate(tasks)]
-    table = np.zeros((64, 64), np.int32)
-    for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=M)):
-        table[p[0], : len(p) + len(r.tokens)] = p + r.tokens
-    monkeypatch.setitem(registry.RECORDS, "selective", registry.Record(
-        "selective", lambda spec, assets: (SelectiveOracle(k=spec.k), jnp.asarray(table))))
-    cfg = ControllerConfig(ks=(0, 4), methods=("selective",), replay_ngram=False, margin=0.3)
+    cfg = _selective_method(eng, prompts, monkeypatch)
     fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="selective", k=4): 1.1})
 
     def run():
