@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, PyTree
 
 from specjax import acceptance, sampling, sharding, tree
 from specjax.proposers.base import Proposer
@@ -50,7 +50,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama, Output
 from specjax.ngram_table import NgramTable, TableConfig
 from specjax.sampling import Sampling, SamplingParams
-from specjax.state import (AnyArray, DecodeState, Shared, commit, commit_path, last_tokens, learn,
+from specjax.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn,
                            step_keys, tick)
 
 MAX_STOP_IDS = 8
@@ -344,6 +344,11 @@ class Decoder:
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
                       stats=Stats.zeros(inputs.batch_size, self.depth))
         return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
+
+    def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
+        """`state` with row `slot` replaced by the batch-of-one `row` (same cache length): the
+        functional API's continuous batching (the scheduler uses `specjax.slots.Slots.insert`)."""
+        return insert_row(state, row, slot)
 
     # ---- decode ----------------------------------------------------------------------------
     def step(self, model: Llama, pparams, s: State) -> State:

@@ -108,3 +108,23 @@ def test_view_is_what_the_host_reads(ops, model):
 def test_every_option_shares_the_cache_length(ops):
     with pytest.raises(ValueError, match="cache_length"):
         Slots(base=ops.base, decoders=(Decoder(cache_length=S + 8, proposer=NgramProposer(k=3)),))
+
+
+def test_the_functional_insert_equals_the_slot_operation(ops, model):
+    """`Decoder.insert` (the functional API, taught in notebooks/functional_api.ipynb) writes the same
+    row as `Slots.insert`, proposer state and counters included, and keeps the batch's shared part."""
+    graphdef, params = model
+    dec = ops.decoders[0]
+    run = jax.jit(lambda inputs: dec.prefill(nnx.merge(graphdef, params), None, inputs))
+    batch, req = _rows([[1, 2, 3], [4, 5, 6, 7]]), _rows([[11, 12, 13]], row_ids=[7])
+    full = jax.jit(dec.insert)(run(batch), run(req), jnp.int32(1))
+    state, pstates = slot_ops.prefill_program(graphdef, params, (None,), batch, slots=ops)
+    state, pstates = slot_ops.insert_program(graphdef, params, (None,), state, pstates, np.int32(1), req,
+                                             slots=ops)
+    got, want = (jax.tree_util.tree_leaves_with_path(t) for t in (full.decode, state))
+    for (path, x), (_, y) in zip(got, want, strict=True):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
+    assert _leaves_equal(full.proposer, pstates[0])
+    assert np.asarray(full.stats.accepted_per_position).shape[0] == 2
