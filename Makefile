@@ -51,7 +51,7 @@ serve: $(VENV)/.base
 # On a crash in native code (pytest itself dies) it prints the test that was running and every
 # thread's stack from tests/conftest.py's crash log.
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
-	SPECJAX_CRASH_LOG=$(CURDIR)/.pytest-crash.log $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=25 -rs $(ARGS) || { rc=$$?; \
+	SPECJAX_CRASH_LOG=$(CURDIR)/.pytest-crash.log $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -rs $(ARGS) || { rc=$$?; \
 	    if grep -q "Fatal Python error" .pytest-crash.log 2>/dev/null; then \
 	        grep -v '^running ' .pytest-crash.log | grep -v 'site-packages/pluggy' | head -200; \
 	        echo "== pytest died while running: $$(grep '^running ' .pytest-crash.log | tail -1)"; fi; exit $$rc; }

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Int, PyTree
 
 from specjax import acceptance, sampling, sharding, tree
@@ -256,6 +257,9 @@ class Decoder:
         top-p; rows at temperature 0 stay greedy), or their names "greedy" / "sample".
       ngram_table: a cross-request n-gram table in the state (`specjax.ngram_table`): every
         commit writes to it and prompt lookup reads it when a row's own context has no match.
+      mesh: the device mesh the programs run on (`specjax.sharding.make_mesh`), or None for one
+        device. The methods trace for it (`sharding.use`): the carry, the model's activations and
+        top-k are laid out by the logical-axis rules on this mesh, whatever `jax.set_mesh` says.
     """
 
     cache_length: int
@@ -263,8 +267,10 @@ class Decoder:
     acceptance: Any = None
     sampling: Sampling | str = sampling.Greedy()
     ngram_table: TableConfig | None = None
+    mesh: Mesh | None = None
 
     def __post_init__(self):
+        sharding.check_mesh(self.mesh)
         if self.proposer is not None and not isinstance(self.proposer, Proposer):
             raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
                             "taps, init, propose and reconcile (specjax.proposers.base)")
@@ -312,6 +318,10 @@ class Decoder:
         the features the proposer reads at every prompt position: the final hidden states
         `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
         """
+        with sharding.use(self.mesh):
+            return self._prefill_target(model, inputs)
+
+    def _prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
         b, p = inputs.prompts.shape
         if p + self.window > self.cache_length:
             raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
@@ -336,14 +346,18 @@ class Decoder:
 
     def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
         """The proposer's state after the prefill (None for the plain loop)."""
-        return None if self.proposer is None else self.proposer.init(pparams, state, inputs, hidden)
+        if self.proposer is None:
+            return None
+        with sharding.use(self.mesh):
+            return self.proposer.init(pparams, state, inputs, hidden)
 
     def prefill(self, model: Llama, pparams, inputs: Inputs) -> State:
         """Prefills the batch and sets up the proposer: the state `decode` continues from."""
         state, hidden = self.prefill_target(model, inputs)
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
                       stats=Stats.zeros(inputs.batch_size, self.depth))
-        return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
+        with sharding.use(self.mesh):
+            return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
 
     def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
         """`state` with row `slot` replaced by the batch-of-one `row` (same cache length): the
@@ -353,6 +367,10 @@ class Decoder:
     # ---- decode ----------------------------------------------------------------------------
     def step(self, model: Llama, pparams, s: State) -> State:
         """One target forward: a plain step, or propose -> verify -> accept -> commit."""
+        with sharding.use(self.mesh):
+            return self._step(model, pparams, s)
+
+    def _step(self, model: Llama, pparams, s: State) -> State:
         if self.proposer is None:
             return dataclasses.replace(s, decode=plain_step(model, self.sampling, s.decode))
         state, topo = s.decode, self.topology
@@ -376,8 +394,9 @@ class Decoder:
         """
         stop_at = jnp.asarray(RUN_TO_END if stop_at is None else stop_at, jnp.int32)
         cond = lambda s: jnp.any(~s.decode.done) & (s.decode.forwards < stop_at)
-        body = lambda s: sharding.constrain_carry(self.step(model, pparams, s))  # carry keeps its layout
-        return jax.lax.while_loop(cond, body, sharding.constrain_carry(state))
+        with sharding.use(self.mesh):
+            body = lambda s: sharding.constrain_carry(self._step(model, pparams, s))  # carry keeps its layout
+            return jax.lax.while_loop(cond, body, sharding.constrain_carry(state))
 
 
 def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> DecodeState:
@@ -409,18 +428,23 @@ def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, me
     """Prefill and decode to the end with the jitted programs; returns the final state.
 
     Read the text back with `new_tokens(state, mesh)`. Calls with the same decoder and shapes reuse
-    the compiled programs. With a `mesh` (`specjax.sharding.make_mesh`) the model, the proposer's
-    params and the inputs are placed on it by their logical axes and the programs run under it.
+    the compiled programs. On a mesh (`decoder.mesh`, or `mesh` here for a decoder without one) the
+    model, the proposer's params and the inputs are placed on it by their logical axes and the
+    programs trace for it.
     """
     mesh = sharding.check_mesh(mesh)
+    if mesh is not None and decoder.mesh is None:
+        decoder = dataclasses.replace(decoder, mesh=mesh)
+    elif mesh is not None and mesh != decoder.mesh:
+        raise ValueError("generate(mesh=...) differs from decoder.mesh: give the mesh once, as Decoder(mesh=...)")
+    mesh = decoder.mesh
     if mesh is not None:
         model = sharding.place_module(model, mesh)
         pparams = sharding.place_pparams(pparams, mesh)
         inputs = sharding.place_inputs(inputs, mesh)
     graphdef, params = nnx.split(model)
-    with sharding.use(mesh):
-        state = prefill_program(graphdef, params, pparams, inputs, static=decoder)
-        return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), static=decoder)
+    state = prefill_program(graphdef, params, pparams, inputs, static=decoder)
+    return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), static=decoder)
 
 
 def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:

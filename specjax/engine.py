@@ -323,7 +323,7 @@ class Engine:
             cache_length = core.cache_length(prompt_bucket, max_new_tokens, max(window, headroom))
         dec = Decoder(cache_length=cache_length, proposer=proposer, sampling=sampling,
                       acceptance=registry.acceptance_rule(spec) if proposer is not None else None,
-                      ngram_table=spec.table_config())
+                      ngram_table=spec.table_config(), mesh=self.mesh)
         return dec, pparams
 
     # ---- input handling ------------------------------------------------------------------------
@@ -398,8 +398,7 @@ class Engine:
         t0 = time.perf_counter()
         kw = dict(statics) if decoder is None else dict(statics, static=decoder)
         model = (self.graphdef, self.params) if weights else ()
-        with sharding.use(self.mesh):  # the constraints inside resolve against this mesh
-            self._compiled[key] = fn.lower(*model, *args, **kw).compile()
+        self._compiled[key] = fn.lower(*model, *args, **kw).compile()  # the decoder traces for its mesh
         self.compile_count += 1
         return self._compiled[key], time.perf_counter() - t0
 
@@ -477,9 +476,8 @@ class Batch:
         self.n_real, self.method = n_real, method
         self.compile_s = 0.0
         self._prefill = self._compile(core.prefill_program, pparams, inputs)
-        with sharding.use(engine.mesh):
-            abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, static=decoder),
-                                      engine.graphdef, engine.params, pparams, inputs)
+        abstract = jax.eval_shape(lambda *a: core.prefill_program(*a, static=decoder),
+                                  engine.graphdef, engine.params, pparams, inputs)
         abstract = sharding.abstract_carry(abstract, engine.mesh)  # eval_shape drops shardings
         stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), np.int32), engine.mesh)
         self._loop = self._compile(core.decode_program, pparams, abstract, stop_at)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 import statistics
 import time
@@ -58,91 +57,10 @@ from specjax.state import DecodeState
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers import registry
 from specjax.proposers.ngram import HostLookup, replay
+from specjax.requests import Request, Status, _placeholder_request, poisson_arrivals  # noqa: F401 (re-exported)
 from specjax.telemetry import SpecCounters, StopReason
 
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
-
-
-def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
-    """Arrival times (seconds from the start) of `n` requests of a Poisson process of `rate`/s."""
-    if not rate > 0:
-        raise ValueError(f"arrival rate {rate}: must be > 0 requests per second")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
-    return np.cumsum(gaps).tolist()
-
-
-class Status(enum.StrEnum):
-    """Where a request is: queued, then running in a slot, then finished, cancelled or failed."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request and, once run, what it got and when (times in seconds from the run's start)."""
-
-    id: int
-    ids: list[int]
-    max_new_tokens: int
-    task: str | None = None
-    arrival: float | None = None  # None: as soon as a slot is free (a closed-loop client)
-    opt_out: bool = False
-    contribute: bool = True  # its text may enter the cross-request n-gram table
-    seed: int = 0
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    speculation: SpecConfig | None = None  # the one option it may speculate with (None: any)
-    tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
-    stream: int | None = None  # its random stream's row index (None: its id)
-    stop_ids: tuple[int, ...] = ()  # its stop tokens
-    status: Status = Status.QUEUED
-    error: str | None = None  # why it failed
-    slot: int | None = None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    arrived_s: float | None = None
-    emissions: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, tokens)
-    finished_s: float | None = None
-    stop_reason: StopReason | None = None
-    target_forwards: int = 0
-    counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
-    chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
-    inputs: Inputs | None = dataclasses.field(default=None, repr=False)  # its batch of one (Inputs.create)
-
-    @property
-    def ttft_s(self) -> float:
-        """Arrival to first token (nan for a request cancelled before it ran)."""
-        return self.emissions[0][0] - self.arrived_s if self.emissions else float("nan")
-
-    @property
-    def latency_s(self) -> float:
-        """Arrival to last token, or to the cancellation."""
-        if self.finished_s is None or self.arrived_s is None:
-            return float("nan")
-        return self.finished_s - self.arrived_s
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Per-token inter-token latencies: a chunk's gap spread evenly over the tokens it brought."""
-        out = []
-        for (t0, _), (t1, n) in zip(self.emissions, self.emissions[1:]):
-            out += [(t1 - t0) / n] * n
-        return out
-
-    @property
-    def tau(self) -> float:
-        """Tokens per target forward after the first token."""
-        return telemetry.tau(len(self.tokens), self.target_forwards)
-
-
-def _placeholder_request() -> Request:
-    """A one-token request done at its insert that writes nothing to the n-gram table: the shapes an
-    insert program is compiled for, and what warm-up runs it on."""
-    return Request(id=-1, ids=[0], max_new_tokens=1, contribute=False)
 
 
 class Scheduler:
@@ -371,8 +289,9 @@ class Scheduler:
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
         self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, ngram_table=self.table)
                          for o, (d, _) in built.items()}
-        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table)
         mesh = self.engine.mesh
+        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table,
+                                       mesh=mesh)
         self._pparams = tuple(sharding.place_pparams(built[o][1], mesh) for o in self.specs)
         self._pp = dict(zip(self.specs, self._pparams))
         self.ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
@@ -380,13 +299,14 @@ class Scheduler:
         empty = self._placeholders(max_new=1)
         self._programs["empty"] = self._compile(slot_ops.prefill_program, self._pparams, empty, slots=self.ops)
         self._empty_batch()
-        self._programs["release"] = self._compile(slot_ops.release_program, self.state, np.int32(0), weights=False)
+        self._programs["release"] = self._compile(slot_ops.release_program, self.state, np.int32(0), weights=False,
+                                                  slots=self.ops)
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self._insert_program(p)
         stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), jnp.int32), mesh)
         if len(self.sizes) > 1:
             self._programs["move"] = self._compile(slot_ops.move_program, self.state, self.pstates,
-                                                   np.int32(0), np.int32(0), weights=False)
+                                                   np.int32(0), np.int32(0), weights=False, slots=self.ops)
         for size in self.sizes:
             for o in self.options:
                 d = self.decoders[o]
@@ -394,15 +314,15 @@ class Scheduler:
                 st = self.state
                 if size != self.b:
                     self._programs[("take", o, size)] = self._compile(slot_ops.take_program, st, ps, size=size,
-                                                                      weights=False)
-                    with sharding.use(mesh):
-                        st, ps = jax.eval_shape(functools.partial(slot_ops.take_program, size=size), st, ps)
+                                                                      weights=False, slots=self.ops)
+                    st, ps = jax.eval_shape(functools.partial(slot_ops.take_program, size=size, slots=self.ops),
+                                            st, ps)
                     st, ps = sharding.abstract_carry((st, ps), mesh)  # eval_shape drops shardings
                     self._programs[("put", o, size)] = self._compile(
-                        slot_ops.put_program, self.state, self.pstates.get(o), st, ps, weights=False)
+                        slot_ops.put_program, self.state, self.pstates.get(o), st, ps, weights=False, slots=self.ops)
                 s = State(decode=st, proposer=ps, stats=self._stats(size, d.depth))
                 self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, static=d)
-                self._compile(slot_ops.view_program, self.state, s.stats, weights=False)  # see _read
+                self._compile(slot_ops.view_program, self.state, s.stats, weights=False, slots=self.ops)  # _read
         if self.ccfg is not None:
             # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
             self.costs = self._given_costs or sharding.broadcast_from_0(
@@ -465,7 +385,8 @@ class Scheduler:
     def _read(self, state: DecodeState, stats: Stats | None = None) -> HostView:
         """What the host needs of the batch (and of a chunk's counters), in one replicated transfer;
         `prepare` compiled the program for every shape."""
-        return jax.device_get(self._compile(slot_ops.view_program, state, stats, weights=False)(state, stats))
+        view = self._compile(slot_ops.view_program, state, stats, weights=False, slots=self.ops)
+        return jax.device_get(view(state, stats))
 
     def _compile(self, fn, *args, static=None, **statics):
         prog, seconds = self.engine.program(fn, static, *args, **statics)

@@ -10,8 +10,12 @@ kv groups only then).
 
 The mesh is Auto-mode GSPMD (`jax.sharding.AxisType.Auto`): shardings are given at the jit boundary
 (params, inputs, the loop carry) and at a few constraints; XLA partitions everything in between.
-Without a mesh in context (`jax.set_mesh`) every helper here is a no-op, so single-device programs do
-not change.
+
+The mesh is an explicit argument, never read from JAX's ambient context: a `Decoder` (and `Slots`)
+holds it as a static field (`Decoder(mesh=...)`, part of its hash, so each mesh compiles its own
+programs), and its methods trace under `use(decoder.mesh)`, which is what the constraints below read.
+A `jax.set_mesh` around a call changes nothing in specjax's programs. Without a mesh every helper here
+is a no-op, so single-device programs do not change.
 
 Dimension letters as in `specjax.models.config`; `dp`, `tp` are the sizes of `data` and `model`.
 """
@@ -19,6 +23,7 @@ Dimension letters as in `specjax.models.config`; `dp`, `tp` are the sizes of `da
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from typing import Any, Mapping, Sequence
@@ -123,21 +128,32 @@ def check_mesh(mesh: Mesh | None) -> Mesh | None:
     return mesh
 
 
+_TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("specjax_mesh", default=None)
+
+
+@contextlib.contextmanager
 def use(mesh: Mesh | None):
-    """`jax.set_mesh(mesh)` as a context, or nothing for `mesh=None` (trace and lower inside it)."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    """Traces the enclosed code for `mesh` (None: one device, no constraints): what a `Decoder`'s or
+    `Slots`' methods enter with their own `mesh` field, so the constraints inside them (the model's,
+    the carry's, `top_k`'s) resolve against it. Specjax's own scope: JAX's `jax.set_mesh` is neither
+    read nor set."""
+    token = _TRACING.set(check_mesh(mesh))
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def current() -> Mesh | None:
+    """The mesh the enclosing `use` traces for (None outside one, or inside `use(None)`)."""
+    return _TRACING.get()
 
 
 def _sizes(mesh=None) -> dict[str, int] | None:
-    """Axis sizes of `mesh`, else of the mesh in context; None when there is none. A mesh whose axis
-    names the rules do not know is an error, not a silent run without constraints."""
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if m is None or getattr(m, "empty", True):
+    """Axis sizes of `mesh`, else of the mesh `use` traces for; None when there is none."""
+    m = check_mesh(mesh) if mesh is not None else current()
+    if m is None:
         return None
-    if not set(AXES) <= set(m.axis_names):
-        raise ValueError(f"a mesh with axes {tuple(m.axis_names)} is in context, and specjax's sharding rules "
-                         f"name {AXES}: build the mesh with specjax.sharding.make_mesh, or call specjax "
-                         f"outside `jax.set_mesh`")
     return dict(m.shape)
 
 
@@ -170,15 +186,16 @@ def resolve(axes: Sequence[str | None], shape: Sequence[int], mesh=None, *,
 
 
 def active() -> bool:
-    """Whether a specjax mesh is in context (inside `use(mesh)`)."""
-    return _sizes() is not None
+    """Whether the code being traced is for a mesh (inside `use(mesh)`)."""
+    return current() is not None
 
 
 def constrain(x, axes: Sequence[str | None], *, kv_heads: int | None = None):
-    """`with_sharding_constraint(x, resolve(axes))` under a mesh; `x` unchanged without one."""
-    if not active():
+    """`x` pinned to `resolve(axes)` on the mesh `use` traces for; `x` unchanged without one."""
+    mesh = current()
+    if mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, resolve(axes, x.shape, kv_heads=kv_heads))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, resolve(axes, x.shape, mesh, kv_heads=kv_heads)))
 
 
 def gather_vocab(x):
@@ -291,11 +308,21 @@ def carry_shardings(tree, mesh: Mesh):
 
 
 def constrain_carry(tree):
-    """Pins a decode state to `carry_specs` under a mesh (the prefill's output, the loop body's new
-    carry); unchanged without one."""
-    if not active():
+    """Pins a decode state to `carry_shardings` on the mesh `use` traces for (the prefill's output,
+    the loop body's new carry); unchanged without one."""
+    mesh = current()
+    if mesh is None:
         return tree
-    return jax.tree.map(jax.lax.with_sharding_constraint, tree, carry_specs(tree))
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, carry_shardings(tree, mesh))
+
+
+def constrain_replicated(tree):
+    """Every array of `tree` replicated on the mesh `use` traces for (what every process reads whole);
+    unchanged without one."""
+    mesh = current()
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())), tree)
 
 
 def abstract_carry(tree, mesh: Mesh | None):
@@ -351,8 +378,7 @@ def host_view(tree, mesh: Mesh | None):
     across processes)."""
     if mesh is None:
         return jax.tree.map(np.asarray, tree)
-    with use(mesh):
-        out = _replicator(NamedSharding(mesh, P()))(tree)
+    out = _replicator(NamedSharding(mesh, P()))(tree)
     return jax.tree.map(np.asarray, out)
 
 

@@ -8,10 +8,11 @@ for every option and one proposer state per speculative option (`Slots.decoders`
 once, so that the option may change between chunks.
 
 Every operation is a pure function of arrays here (no host reads) and a jitted program below (with the
-batch state donated), compiled once per shape by `Engine.program`. Under a mesh (`sharding.use`) the
-outputs are pinned to the loop carry's layout (`sharding.constrain_carry`), so a state that went
-through any of them is a valid argument of every compiled program again, and `view` returns a
-replicated copy that every process reads whole, in one transfer.
+batch state donated, `slots=` static), compiled once per shape by `Engine.program`. On the decoders'
+mesh (`Decoder.mesh`, one for every option) the outputs are pinned to the loop carry's layout
+(`sharding.constrain_carry`), so a state that went through any of them is a valid argument of every
+compiled program again, and `view` returns a replicated copy that every process reads whole, in one
+transfer.
 
 Example (what `specjax.scheduler.Scheduler` does per request and per chunk):
   >>> slots = Slots(base=Decoder(cache_length=S), decoders=(ngram_decoder,))
@@ -67,13 +68,25 @@ class Slots:
         if bad:
             raise ValueError(f"every option's decoder must have the base's cache_length "
                              f"{self.base.cache_length}, got {bad[0].cache_length}")
+        if any(d.mesh != self.base.mesh for d in self.decoders):
+            raise ValueError("every option's decoder must run on the base's mesh (Decoder.mesh)")
+
+    @property
+    def mesh(self):
+        """The mesh every option's decoder runs on (None: one device)."""
+        return self.base.mesh
 
     def prefill(self, model: Llama, pparams: tuple, inputs: Inputs) -> tuple[DecodeState, tuple]:
         """Prefills the rows once for every option: the shared decode state, and each option's
         proposer state from the same target pass."""
         state, hidden = self.base.prefill_target(model, inputs)
         pstates = tuple(d.init_proposer(pp, state, inputs, hidden) for d, pp in zip(self.decoders, pparams))
-        return sharding.constrain_carry((state, pstates))
+        return self._pinned((state, pstates))
+
+    def _pinned(self, tree):
+        """`tree` in the loop carry's layout on this mesh."""
+        with sharding.use(self.mesh):
+            return sharding.constrain_carry(tree)
 
     def insert(self, model: Llama, pparams: tuple, state: DecodeState, pstates: tuple,
                slot: Int[Array, ""], inputs: Inputs) -> tuple[DecodeState, tuple]:
@@ -81,43 +94,41 @@ class Slots:
         other rows, the batch's step counter and the shared n-gram table do not change."""
         row, new = self.prefill(model, pparams, inputs)
         out = insert_row(state, row, slot), tuple(insert_row(ps, n, slot) for ps, n in zip(pstates, new))
-        return sharding.constrain_carry(out)
+        return self._pinned(out)
 
-    @staticmethod
-    def release(state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
+    def release(self, state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
         """Marks row `slot` done (a cancelled request): the loop spends no more steps on it."""
-        return sharding.constrain_carry(state.replace(done=state.done.at[slot].set(True)))
+        return self._pinned(state.replace(done=state.done.at[slot].set(True)))
 
-    @staticmethod
-    def move(state: DecodeState, pstates: Any, src: Int[Array, ""],
+    def move(self, state: DecodeState, pstates: Any, src: Int[Array, ""],
              dst: Int[Array, ""]) -> tuple[DecodeState, Any]:
         """Moves row `src` (the decode state and every proposer state) to row `dst` and leaves `src`
         done: keeps the running rows packed at the front, so a chunk can run on the smallest batch
         that holds them (`take`)."""
         take = lambda tree: rows_map(lambda x: x[src][None], tree)
         state, pstates = insert_row(state, take(state), dst), insert_row(pstates, take(pstates), dst)
-        return sharding.constrain_carry((state.replace(done=state.done.at[src].set(True)), pstates))
+        return self._pinned((state.replace(done=state.done.at[src].set(True)), pstates))
 
-    @staticmethod
-    def take(state: DecodeState, pstate: Any, size: int) -> tuple[DecodeState, Any]:
+    def take(self, state: DecodeState, pstate: Any, size: int) -> tuple[DecodeState, Any]:
         """The first `size` rows of the state and of one option's proposer state (the shared
         n-gram table: the `Shared` part whole)."""
         head = lambda tree: rows_map(lambda x: x[:size], tree)
-        return sharding.constrain_carry((head(state), head(pstate)))
+        return self._pinned((head(state), head(pstate)))
 
-    @staticmethod
-    def put(state: DecodeState, pstate: Any, sub: DecodeState, sub_pstate: Any) -> tuple[DecodeState, Any]:
+    def put(self, state: DecodeState, pstate: Any, sub: DecodeState, sub_pstate: Any) -> tuple[DecodeState, Any]:
         """Writes a chunk run on the first rows (`take`) back into the batch, with the steps it ran
         and the n-gram table it updated."""
         put = lambda big, small: big.at[: small.shape[0]].set(small)
         state = rows_map(put, state, sub, shared_from=1)
-        return sharding.constrain_carry((state, rows_map(put, pstate, sub_pstate)))
+        return self._pinned((state, rows_map(put, pstate, sub_pstate)))
 
-    @staticmethod
-    def view(state: DecodeState, stats: Stats | None = None) -> HostView:
-        """What the host needs of the batch (tokens, lengths, done, forwards, the chunk's counters)."""
-        return HostView(tokens=state.tokens, lengths=state.lengths, done=state.done,
+    def view(self, state: DecodeState, stats: Stats | None = None) -> HostView:
+        """What the host needs of the batch (tokens, lengths, done, forwards, the chunk's counters),
+        replicated on the mesh: every process reads every row."""
+        view = HostView(tokens=state.tokens, lengths=state.lengths, done=state.done,
                         row_forwards=state.row_forwards, forwards=state.forwards, stats=stats)
+        with sharding.use(self.mesh):
+            return sharding.constrain_replicated(view)
 
 
 # ---- jitted programs (compiled by `Engine.program`, donating the batch) -------------------------
@@ -133,30 +144,26 @@ def insert_program(graphdef, params, pparams, state, pstates, slot, inputs: Inpu
     return slots.insert(nnx.merge(graphdef, params), pparams, state, pstates, slot, inputs)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def release_program(state, slot):
-    return Slots.release(state, slot)
+@functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state",))
+def release_program(state, slot, *, slots: Slots):
+    return slots.release(state, slot)
 
 
-@functools.partial(jax.jit, donate_argnames=("state", "pstates"))
-def move_program(state, pstates, src, dst):
-    return Slots.move(state, pstates, src, dst)
+@functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state", "pstates"))
+def move_program(state, pstates, src, dst, *, slots: Slots):
+    return slots.move(state, pstates, src, dst)
 
 
-@functools.partial(jax.jit, static_argnames=("size",))
-def take_program(state, pstate, *, size: int):
-    return Slots.take(state, pstate, size)
+@functools.partial(jax.jit, static_argnames=("size", "slots"))
+def take_program(state, pstate, *, size: int, slots: Slots):
+    return slots.take(state, pstate, size)
 
 
-@functools.partial(jax.jit, donate_argnames=("state", "pstate"))
-def put_program(state, pstate, sub, sub_pstate):
-    return Slots.put(state, pstate, sub, sub_pstate)
+@functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state", "pstate"))
+def put_program(state, pstate, sub, sub_pstate, *, slots: Slots):
+    return slots.put(state, pstate, sub, sub_pstate)
 
 
-@jax.jit
-def view_program(state, stats):
-    """`Slots.view`, replicated under a mesh: every process reads every row."""
-    view = Slots.view(state, stats)
-    if not sharding.active():
-        return view
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()), view)
+@functools.partial(jax.jit, static_argnames=("slots",))
+def view_program(state, stats, *, slots: Slots):
+    return slots.view(state, stats)

@@ -65,8 +65,8 @@ def pytest_configure(config):
 
 
 # The longest files, started first: `make test` runs the suite on a worker per core (pytest-xdist,
-# `--dist loadfile`, which hands files out in collection order), so these run beside the rest
-# instead of after it. Durations from `make test --durations` on the 2-core machine.
+# `--dist loadfile --no-loadscope-reorder`: whole files, handed out in collection order), so these
+# run beside the rest instead of after it. Durations from `make test --durations` on the 2-core machine.
 LONGEST_FIRST = ("tests/test_mesh_process.py",   # ~390 s: the 8-device tests, in their own process
                  "tests/test_notebooks.py")       # ~275 s: four notebooks through nbclient
 

@@ -99,18 +99,27 @@ def test_scheduler_submit_refuses_a_prompt_that_is_not_token_ids(eng):
     assert sched.submit([1, 2]) == 0 and sched.submit("hi") == 1
 
 
-def test_a_mesh_with_unknown_axis_names_is_refused(eng):
-    """A mesh in context whose axes are not specjax's would run without any sharding constraint: it
-    is one clear error instead, at the first product that asks."""
+def test_a_mesh_is_an_explicit_argument_and_unknown_axis_names_are_refused(eng):
+    """A mesh reaches specjax only as an argument (`Decoder(mesh=)`, `Engine(mesh=)`), checked there:
+    one whose axes are not specjax's would run without any sharding constraint, so it is one clear
+    error. JAX's ambient mesh (`jax.set_mesh`) is not read: the same call under it gives the same
+    tokens and traces no constraint."""
     import jax
     import numpy as np
 
-    from specjax import sharding
+    from specjax import Decoder, sharding
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",),
                              axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"axes \('dp',\) .*make_mesh"):
-        sharding.active()
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="make_mesh"):
-        eng.generate([[1, 2, 3]], max_new_tokens=2)
-    assert not sharding.active()  # and nothing without a mesh
+    with pytest.raises(ValueError, match=r"mesh axes \('dp',\): specjax needs exactly .*make_mesh"):
+        Decoder(cache_length=16, mesh=mesh)
+    with pytest.raises(ValueError, match="make_mesh"):
+        Engine(eng.model, mesh=mesh)
+    with pytest.raises(ValueError, match="make_mesh"):
+        with sharding.use(mesh):
+            pass
+    want = eng.generate([[1, 2, 3]], max_new_tokens=3)[0].tokens
+    with jax.set_mesh(mesh):
+        assert not sharding.active()
+        assert eng.generate([[1, 2, 3]], max_new_tokens=3)[0].tokens == want
+    assert not sharding.active()

@@ -3,6 +3,7 @@ token-identical to one device for every method on (8,1) (4,2) (2,4) (1,8), greed
 layout; compile count and carry layout under streaming; no cache-sized collective in the compiled
 loops; per-device bytes; bad input fails before compiling; two processes; training across meshes."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -183,15 +184,20 @@ def test_mesh_output_equals_one_device(assets, reference, mesh, method):
 
 
 def test_functional_api_on_a_mesh(assets, reference):
-    """`specjax.generate(..., mesh=)` and `new_tokens(state, mesh)`: the core without the Engine."""
+    """`Decoder(mesh=)` (or `generate(..., mesh=)` for a decoder without one) and
+    `new_tokens(state, mesh)`: the core without the Engine; two different meshes are an error."""
     target = assets[0]
     mesh = sharding.make_mesh("data=2,model=4")
     inputs = Inputs.create(PROMPTS, bucket=32, max_new_tokens=16)
     dec = Decoder(cache_length=specjax.cache_length(32, 16, 5),
-                  proposer=specjax.NgramProposer(k=4), sampling="greedy")
-    state = specjax.generate(target, inputs, decoder=dec, mesh=mesh)
+                  proposer=specjax.NgramProposer(k=4), sampling="greedy", mesh=mesh)
+    state = specjax.generate(target, inputs, decoder=dec)
     assert new_tokens(state, mesh) == [r.tokens for r in reference["ngram", "greedy"]]
     assert state.decode.tokens.sharding.spec == P("data")
+    state = specjax.generate(target, inputs, decoder=dataclasses.replace(dec, mesh=None), mesh=mesh)
+    assert new_tokens(state, mesh) == [r.tokens for r in reference["ngram", "greedy"]]
+    with pytest.raises(ValueError, match="differs from decoder.mesh"):
+        specjax.generate(target, inputs, decoder=dec, mesh=sharding.make_mesh("data=4,model=2"))
 
 
 # ---- layout ------------------------------------------------------------------------------------

@@ -73,21 +73,21 @@ def test_release_move_take_put(ops, model):
     graphdef, params = model
     state, pstates = slot_ops.prefill_program(graphdef, params, (None,), _rows([[1, 2], [3, 4], [5, 6], [7, 8]]),
                                               slots=ops)
-    state = slot_ops.release_program(state, np.int32(1))
+    state = slot_ops.release_program(state, np.int32(1), slots=ops)
     assert np.asarray(state.done).tolist() == [False, True, False, False]
 
     row3 = _host(state, lambda x: x[3] if x.ndim else x)
-    state, pstates = slot_ops.move_program(state, pstates, np.int32(3), np.int32(1))
+    state, pstates = slot_ops.move_program(state, pstates, np.int32(3), np.int32(1), slots=ops)
     moved = _host(state, lambda x: x[1] if x.ndim else x)
     assert np.array_equal(moved.tokens, row3.tokens) and np.array_equal(moved.k0, row3.k0)
     assert np.asarray(state.done).tolist() == [False, False, False, True]  # the source is free
 
-    sub, sub_p = slot_ops.take_program(state, pstates[0], size=2)
+    sub, sub_p = slot_ops.take_program(state, pstates[0], size=2, slots=ops)
     assert sub.tokens.shape[0] == 2 and _leaves_equal(sub.tokens, state.tokens[:2])
     full = _host(state)
     loop = State(decode=sub, proposer=sub_p, stats=Stats.zeros(2, 0))
     ran = decode_program(graphdef, params, None, loop, np.int32(3), static=ops.base)
-    state, _ = slot_ops.put_program(state, pstates[0], ran.decode, ran.proposer)
+    state, _ = slot_ops.put_program(state, pstates[0], ran.decode, ran.proposer, slots=ops)
     out = _host(state)
     assert int(out.forwards) == 3  # the steps the sub-batch ran
     assert np.array_equal(out.tokens[:2], np.asarray(ran.decode.tokens))
@@ -98,7 +98,7 @@ def test_view_is_what_the_host_reads(ops, model):
     graphdef, params = model
     state, _ = slot_ops.prefill_program(graphdef, params, (None,), _rows([[1, 2], [3]]), slots=ops)
     stats = Stats.zeros(2, 3)
-    view = jax.device_get(slot_ops.view_program(state, stats))
+    view = jax.device_get(slot_ops.view_program(state, stats, slots=ops))
     assert isinstance(view.tokens, np.ndarray)
     assert np.array_equal(view.tokens, np.asarray(state.tokens))
     assert np.array_equal(view.lengths, np.asarray(state.lengths)) and view.forwards == 0

@@ -1,5 +1,6 @@
 """`telemetry.peak_memory`: measured, from the device's statistics or the process's resident peak."""
 
+import mmap
 import sys
 
 import jax
@@ -37,9 +38,12 @@ def test_the_resident_peak_is_measured_and_resets():
     assert jax.devices()[0].memory_stats() is None  # CPU: the host's resident set is the measure
     assert telemetry.reset_peak_memory()
     before = telemetry.peak_memory()["peak_mem_bytes"]
-    big = np.ones(64 * 2**20, np.uint8)  # 64 MiB touched
+    # 64 MiB of fresh pages, touched: an anonymous mapping of its own (an np.ones could reuse freed
+    # pages the allocator still holds resident in a long-lived test process, and not grow the RSS)
+    big = mmap.mmap(-1, 64 * 2**20)
+    np.frombuffer(big, np.uint8)[:] = 1
     grown = telemetry.peak_memory()["peak_mem_bytes"]
     assert grown >= before + 60 * 2**20
-    del big
+    big.close()
     assert telemetry.reset_peak_memory()
     assert telemetry.peak_memory()["peak_mem_bytes"] < grown - 60 * 2**20  # the freed 64 MiB left the peak
