@@ -2,8 +2,8 @@
 
 Each commit is checked out into a temporary worktree and imported from a symlink tree that mirrors
 the installed package layout (specjax/, specjax/models -> models/, specjax/train_heads ->
-train_heads/). Workers for the two commits alternate (A B A B ...), each in its own process, so
-drift on a busy machine spreads over both. Per commit and method: tokens per second (wall time
+train_heads/). Workers for the two commits alternate (A B, then B A, ...), each in its own process,
+so drift on a busy machine spreads over both. Per commit and method: tokens per second (wall time
 includes time to first token, compile excluded), tau, time to first token and compile time.
 
 With `--scheduler SLOTS` every method serves all prompts at once through a `Scheduler` of SLOTS
@@ -114,7 +114,8 @@ def main() -> None:
     results: dict[str, list] = {n: [] for n in trees}
     try:
         for rnd in range(args.rounds):
-            for name, pkg in trees.items():
+            order = list(trees.items())
+            for name, pkg in (order if rnd % 2 == 0 else order[::-1]):  # A B, then B A: drift hits both
                 print(f"round {rnd + 1}: {name}", file=sys.stderr, flush=True)
                 out = subprocess.run([sys.executable, __file__, name, "--worker", str(pkg), "--per-task",
                                       str(args.per_task), "--max-new-tokens", str(args.max_new_tokens),

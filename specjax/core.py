@@ -1,7 +1,7 @@
 """The functional core: `Decoder`, a static description of a decoding program, and its pure functions.
 
 Everything that shapes the program (proposer, acceptance rule, sampling method, window, cache
-length) lives on the frozen, hashable `Decoder`; everything that only changes values (prompts and
+length, the device mesh) lives on the frozen, hashable `Decoder`; everything that only changes values (prompts and
 their lengths, max_new_tokens, temperature, top-k, top-p, stop ids, keys) is an array in `Inputs`
 and then in the loop carry. Each method is a pure function you may wrap in your own `jax.jit`
 (with your shardings and donation):
