@@ -356,8 +356,7 @@ class Decoder:
         state, hidden = self.prefill_target(model, inputs)
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
                       stats=Stats.zeros(inputs.batch_size, self.depth))
-        with sharding.use(self.mesh):
-            return sharding.constrain_carry(state)  # the loop's layout (a no-op without a mesh)
+        return sharding.constrain_carry(state, self.mesh)  # the loop's layout (a no-op without a mesh)
 
     def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
         """`state` with row `slot` replaced by the batch-of-one `row` (same cache length): the
@@ -395,8 +394,8 @@ class Decoder:
         stop_at = jnp.asarray(RUN_TO_END if stop_at is None else stop_at, jnp.int32)
         cond = lambda s: jnp.any(~s.decode.done) & (s.decode.forwards < stop_at)
         with sharding.use(self.mesh):
-            body = lambda s: sharding.constrain_carry(self._step(model, pparams, s))  # carry keeps its layout
-            return jax.lax.while_loop(cond, body, sharding.constrain_carry(state))
+            body = lambda s: sharding.constrain_carry(self._step(model, pparams, s), self.mesh)  # keeps its layout
+            return jax.lax.while_loop(cond, body, sharding.constrain_carry(state, self.mesh))
 
 
 def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> DecodeState:

@@ -13,7 +13,8 @@ The mesh is Auto-mode GSPMD (`jax.sharding.AxisType.Auto`): shardings are given 
 
 The mesh is an explicit argument, never read from JAX's ambient context: a `Decoder` (and `Slots`)
 holds it as a static field (`Decoder(mesh=...)`, part of its hash, so each mesh compiles its own
-programs), and its methods trace under `use(decoder.mesh)`, which is what the constraints below read.
+programs). The carry constraints take that mesh as an argument; the model's constraints and `top_k`,
+called deep inside the step, read it from `use(decoder.mesh)`, which the Decoder's methods enter.
 A `jax.set_mesh` around a call changes nothing in specjax's programs. Without a mesh every helper here
 is a no-op, so single-device programs do not change.
 
@@ -307,19 +308,17 @@ def carry_shardings(tree, mesh: Mesh):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def constrain_carry(tree):
-    """Pins a decode state to `carry_shardings` on the mesh `use` traces for (the prefill's output,
-    the loop body's new carry); unchanged without one."""
-    mesh = current()
+def constrain_carry(tree, mesh: Mesh | None):
+    """Pins a decode state to `carry_shardings` on `mesh` (the prefill's output, the loop body's new
+    carry); unchanged for None."""
     if mesh is None:
         return tree
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, carry_shardings(tree, mesh))
 
 
-def constrain_replicated(tree):
-    """Every array of `tree` replicated on the mesh `use` traces for (what every process reads whole);
-    unchanged without one."""
-    mesh = current()
+def constrain_replicated(tree, mesh: Mesh | None):
+    """Every array of `tree` replicated on `mesh` (what every process reads whole); unchanged for
+    None."""
     if mesh is None:
         return tree
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())), tree)

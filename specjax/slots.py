@@ -85,8 +85,7 @@ class Slots:
 
     def _pinned(self, tree):
         """`tree` in the loop carry's layout on this mesh."""
-        with sharding.use(self.mesh):
-            return sharding.constrain_carry(tree)
+        return sharding.constrain_carry(tree, self.mesh)
 
     def insert(self, model: Llama, pparams: tuple, state: DecodeState, pstates: tuple,
                slot: Int[Array, ""], inputs: Inputs) -> tuple[DecodeState, tuple]:
@@ -127,8 +126,7 @@ class Slots:
         replicated on the mesh: every process reads every row."""
         view = HostView(tokens=state.tokens, lengths=state.lengths, done=state.done,
                         row_forwards=state.row_forwards, forwards=state.forwards, stats=stats)
-        with sharding.use(self.mesh):
-            return sharding.constrain_replicated(view)
+        return sharding.constrain_replicated(view, self.mesh)
 
 
 # ---- jitted programs (compiled by `Engine.program`, donating the batch) -------------------------
