@@ -4,10 +4,11 @@ Requests arrive (all at once, N closed-loop clients, or Poisson at a given rate)
 slots of one fixed-shape batch. The batch decodes in chunks of `chunk` target steps with the same
 compiled loops `Engine.generate` uses; at each chunk boundary the host reads the new tokens, retires
 finished rows, and refills their slots: a batch-1 prefill of the next request at its own prompt
-bucket and the batch's cache length, scattered into the batch state. The slot operations (prefill,
-insert, release, move, take / put, the host view) are the core's (`specjax.slots`); the scheduler
-keeps queueing, timing, the controller and what the host reads, one replicated view per chunk, so
-it runs on a mesh as on one device. Nothing else of the batch moves, so the other rows continue exactly as if alone: a row's tokens depend only on its own
+bucket and the batch's cache length, scattered into the batch state. The batch itself (its state,
+the compiled slot operations and loops, the host's copy of the lengths) is the core's
+`specjax.slots.RunningBatch`; the scheduler keeps queueing, timing, packing and the controller, and
+reads one replicated view per operation, so it runs on a mesh as on one device. Nothing else of the
+batch moves, so the other rows continue exactly as if alone: a row's tokens depend only on its own
 prompt, key and position (see `state.step_keys`).
 
 Between chunks the speculation option may change (the adaptive `Controller`): the `DecodeState` is
@@ -19,7 +20,8 @@ mixes only stateless or self-correcting proposers by default. When prompt lookup
 options, each chunk's new text is also replayed through it on the host (`ngram.replay`), so the
 controller learns what prompt lookup would have kept whatever option ran. Every program (empty
 batch, insert per bucket, release, move, take / put and one loop per option and batch size, the
-views) compiles once in `prepare` through `Engine.program`, so `Engine.compile_count` tracks them.
+views) compiles once in `prepare` (the `RunningBatch`, through `Engine.program`, so
+`Engine.compile_count` tracks them).
 
 The scheduler is not thread-safe (slot operations donate the batch state): a server runs it in one
 engine thread and sends it submits and cancels as messages (`specjax.server`). A request that fails
@@ -38,27 +40,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import statistics
 import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from specjax import core
-from specjax import sharding, slots as slot_ops, telemetry
+from specjax import core, sharding, telemetry
 from specjax.config import SpecConfig
 from specjax.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
-from specjax.core import Decoder, Inputs, State, Stats
-from specjax.slots import HostView, Slots
+from specjax.core import Decoder, Inputs
+from specjax.slots import RunningBatch, Slots
 from specjax.state import DecodeState
 from specjax.engine import Engine, GenerateOptions
 from specjax.proposers import registry
 from specjax.proposers.ngram import HostLookup, replay
 from specjax.requests import Request, Status, _placeholder_request, poisson_arrivals  # noqa: F401 (re-exported)
-from specjax.telemetry import SpecCounters, StopReason
+from specjax.telemetry import StopReason
 
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
 
@@ -151,7 +149,7 @@ class Scheduler:
         self.controller: Controller | None = None
         self.cost: CostModel | None = None  # at the full batch; `costs` per batch size
         self.costs: dict[int, CostModel] = {}
-        self.state: DecodeState | None = None
+        self.batch: RunningBatch | None = None  # the batch in flight, from `prepare`
         self.chunk_log: list[telemetry.ChunkRecord] = (  # every chunk (or the last `history`): what ran, why, for whom
             [] if history is None else collections.deque(maxlen=int(history)))
         # auto with prompt lookup among its options: replay it over text other options commit
@@ -159,7 +157,6 @@ class Scheduler:
         self._replay_spec = (max(lookups, key=lambda s: s.k)
                              if self.ccfg is not None and self.ccfg.replay_ngram and lookups else None)
         self._lookups: dict[int, HostLookup] = {}
-        self.compile_s = 0.0
         self._t0 = None
         if costs is not None and (self.ccfg is None or set(costs) != set(self.sizes)):
             raise ValueError(f"costs for batch sizes {sorted(costs)}: give them to an 'auto' scheduler with "
@@ -199,7 +196,7 @@ class Scheduler:
         if sp["temperature"] > 0 and self.sc.greedy:
             raise ValueError(f"temperature={sp['temperature']} in a greedy scheduler: create it with "
                              "GenerateOptions(temperature > 0) to compile the sampled programs")
-        if self.state is not None and self.engine.bucket_for(len(ids)) > self.bucket:
+        if self.batch is not None and self.engine.bucket_for(len(ids)) > self.bucket:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
                              f"{self.bucket}; pass max_prompt_tokens= when creating it")
         if opt_out and PLAIN not in self.options:
@@ -233,7 +230,7 @@ class Scheduler:
             self.queue.remove(req)
             req.inputs = None
         elif req.status is Status.RUNNING:
-            self.state = self._programs["release"](self.state, np.int32(req.slot))
+            self.batch.release(req.slot)
             self.slots[req.slot] = None
             if self.controller:
                 self.controller.remove_row(req.id)
@@ -261,7 +258,7 @@ class Scheduler:
         for r in failed:
             self.fail(r, error)
         self.slots = [None] * self.b
-        self._empty_batch()
+        self.batch.reset()
         return failed
 
     def now(self) -> float:
@@ -275,16 +272,17 @@ class Scheduler:
 
     # ---- programs --------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Fixes the cache length, compiles every program and (for "auto") calibrates the cost model.
+        """Fixes the cache length, compiles every program (`slots.RunningBatch`) and (for "auto")
+        calibrates the cost model.
 
         Runs at the first `step` if not called; call it first to keep compile time out of timings.
         """
-        if self.state is not None:
+        if self.batch is not None:
             return
         longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
         self.bucket = self.engine.bucket_for(longest)
         built = {o: self.engine.build_decoder(s, sampling=self.sc, prompt_bucket=self.bucket, built=self._built[o],
-                                        max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
+                                              max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [core.cache_length(self.bucket, self.opts.max_new_tokens, 1)])
         self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, ngram_table=self.table)
@@ -292,37 +290,14 @@ class Scheduler:
         mesh = self.engine.mesh
         self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table,
                                        mesh=mesh)
-        self._pparams = tuple(sharding.place_pparams(built[o][1], mesh) for o in self.specs)
-        self._pp = dict(zip(self.specs, self._pparams))
-        self.ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
-        self._programs: dict = {}
-        empty = self._placeholders(max_new=1)
-        self._programs["empty"] = self._compile(slot_ops.prefill_program, self._pparams, empty, slots=self.ops)
-        self._empty_batch()
-        self._programs["release"] = self._compile(slot_ops.release_program, self.state, np.int32(0), weights=False,
-                                                  slots=self.ops)
+        self._key = {PLAIN: None, **{o: i for i, o in enumerate(self.specs)}}  # the batch's name of an option
+        ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
+        self.batch = RunningBatch(ops, params=self.engine.params, compile=self.engine.program,
+                                  pparams=tuple(sharding.place_pparams(built[o][1], mesh) for o in self.specs),
+                                  empty=self._placeholders(max_new=1), sizes=self.sizes,
+                                  loops=tuple(self._key[o] for o in self.options))
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self._insert_program(p)
-        stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), jnp.int32), mesh)
-        if len(self.sizes) > 1:
-            self._programs["move"] = self._compile(slot_ops.move_program, self.state, self.pstates,
-                                                   np.int32(0), np.int32(0), weights=False, slots=self.ops)
-        for size in self.sizes:
-            for o in self.options:
-                d = self.decoders[o]
-                ps = self.pstates.get(o)
-                st = self.state
-                if size != self.b:
-                    self._programs[("take", o, size)] = self._compile(slot_ops.take_program, st, ps, size=size,
-                                                                      weights=False, slots=self.ops)
-                    st, ps = jax.eval_shape(functools.partial(slot_ops.take_program, size=size, slots=self.ops),
-                                            st, ps)
-                    st, ps = sharding.abstract_carry((st, ps), mesh)  # eval_shape drops shardings
-                    self._programs[("put", o, size)] = self._compile(
-                        slot_ops.put_program, self.state, self.pstates.get(o), st, ps, weights=False, slots=self.ops)
-                s = State(decode=st, proposer=ps, stats=self._stats(size, d.depth))
-                self._programs[(o, size)] = self._compile(core.decode_program, self._pp.get(o), s, stop_at, static=d)
-                self._compile(slot_ops.view_program, self.state, s.stats, weights=False, slots=self.ops)  # _read
         if self.ccfg is not None:
             # timings differ per host: process 0's calibration is everyone's, or hosts would diverge
             self.costs = self._given_costs or sharding.broadcast_from_0(
@@ -330,27 +305,31 @@ class Scheduler:
             self.cost = self.costs[self.b]
             self.controller = Controller(self.ccfg, self.cost)
 
+    @property
+    def state(self) -> DecodeState | None:
+        """The batch's decode state (None before `prepare`)."""
+        return None if self.batch is None else self.batch.state
+
+    @property
+    def pstates(self) -> dict:
+        """Each speculative option's proposer state."""
+        return {} if self.batch is None else dict(zip(self.specs, self.batch.pstates))
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds this scheduler spent compiling."""
+        return 0.0 if self.batch is None else self.batch.compile_s
+
     def warm(self) -> None:
         """Runs every compiled program once on placeholder rows, so that first-run costs (allocation,
         caches: ~0.9 s for an insert program here) stay out of timed runs and first requests; "auto"
         runs its loops while it calibrates."""
-        self._warm_inserts()
+        if all(r is None for r in self.slots):
+            self.batch.warm_inserts()
         if self.costs:
             return
         for size in self.sizes:
             self.calibrate(steps=1, repeats=1, size=size)
-
-    def _warm_inserts(self) -> None:
-        """Runs each compiled insert program once into slot 0 of the empty batch: a placeholder
-        request that is done at once (max_new_tokens 1) and adds nothing to the n-gram table."""
-        if any(r is not None for r in self.slots):
-            return
-        for p in sorted(key[1] for key in self._programs if isinstance(key, tuple) and key[0] == "insert"):
-            args = self._insert_args(0, _placeholder_request(), p)
-            self.state, ps = self._programs[("insert", p)](self.engine.params, *args)
-            self.pstates = dict(zip(self.specs, ps))
-        self._lengths = self._read(self.state).lengths.copy()
-        jax.block_until_ready(self.state)
 
     def compile_buckets(self) -> None:
         """Compiles the insert program of every prompt bucket up to the scheduler's, so that no
@@ -363,43 +342,11 @@ class Scheduler:
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
-        return self._place(Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new))
-
-    def _place(self, tree):
-        """Rows (inputs, counters) on the engine's mesh by the carry's layout: split over `data` where
-        the rows divide it, else replicated (a request's batch-of-one prefill); as is without one."""
-        mesh = self.engine.mesh
-        return tree if mesh is None else jax.tree.map(sharding.put, tree, sharding.carry_shardings(tree, mesh))
-
-    def _stats(self, size: int, depth: int) -> Stats:
-        return self._place(Stats.zeros(size, depth))
-
-    def _empty_batch(self) -> None:
-        """A batch of placeholder rows, all done: what requests are inserted into."""
-        empty = self._placeholders(max_new=1)
-        self.state, pstates = self._programs["empty"](self.engine.params, self._pparams, empty)
-        self.pstates = dict(zip(self.specs, pstates))
-        view = self._read(self.state)
-        self._lengths, self._forwards = view.lengths.copy(), int(view.forwards)
-
-    def _read(self, state: DecodeState, stats: Stats | None = None) -> HostView:
-        """What the host needs of the batch (and of a chunk's counters), in one replicated transfer;
-        `prepare` compiled the program for every shape."""
-        view = self._compile(slot_ops.view_program, state, stats, weights=False, slots=self.ops)
-        return jax.device_get(view(state, stats))
-
-    def _compile(self, fn, *args, static=None, **statics):
-        prog, seconds = self.engine.program(fn, static, *args, **statics)
-        self.compile_s += seconds
-        return prog
+        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new)
 
     def _insert_program(self, p: int):
-        if ("insert", p) not in self._programs:
-            args = self._insert_args(0, _placeholder_request(), p)
-            # the row's prefill needs no n-gram table of its own: the batch's is kept by the insert
-            ops = dataclasses.replace(self.ops, base=dataclasses.replace(self.ops.base, ngram_table=None))
-            self._programs[("insert", p)] = self._compile(slot_ops.insert_program, *args, slots=ops)
-        return self._programs[("insert", p)]
+        """The insert at prompt bucket `p`, compiled on a placeholder request (done at once)."""
+        return self.batch.compile_insert(self._inputs(_placeholder_request(), p))
 
     def _inputs(self, req: Request, bucket: int | None = None) -> Inputs:
         """The request as a batch of one at its prompt bucket (validates its values)."""
@@ -409,22 +356,15 @@ class Scheduler:
                              seed=req.seed, row_ids=[max(req.id, 0) if req.stream is None else req.stream],
                              contribute=req.contribute, tenant=req.tenant)
 
-    def _insert_args(self, slot: int, req: Request, p: int) -> tuple:
-        inputs = req.inputs
-        if inputs is None or inputs.prompts.shape[1] != p:  # a placeholder warming bucket p
-            inputs = self._inputs(req, p)
-        inputs = self._place(inputs)
-        pstates = tuple(self.pstates[k] for k in self.specs)
-        return (self._pparams, self.state, pstates, np.int32(slot), inputs)
-
     def calibrate(self, steps: int = 4, repeats: int = 3, *, size: int | None = None) -> CostModel:
         """Seconds per target step of every option, at batch size `size` (default: all slots), on
         this machine.
 
-        Times chunks of the compiled loops on batches of placeholder rows that never stop. Options
-        take turns (repeat 1 of each, then repeat 2, ...) so that drift on a busy machine spreads
-        over all of them; each turn starts from a fresh batch (the empty-batch program, cheap) and
-        a one-step warm-up, and the median per option is kept.
+        Times chunks of the compiled loops on batches of placeholder rows that never stop (a fork
+        of the running batch: the same programs). Options take turns (repeat 1 of each, then repeat
+        2, ...) so that drift on a busy machine spreads over all of them; each turn starts from a
+        fresh batch (the empty-batch program, cheap) and a one-step warm-up, and the median per
+        option is kept.
         """
         busy = self._placeholders(max_new=self.cache_length)
         ts: dict[SpecConfig, list[float]] = {o: [] for o in self.options}
@@ -432,36 +372,16 @@ class Scheduler:
             for o in self.options:
                 w = self.decoders[o].window
                 n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
-                st, ps = self._programs["empty"](self.engine.params, self._pparams, busy)
-                st, ps, _ = self._run_loop(o, st, dict(zip(self.specs, ps)), 0, 1, size=size)
-                start = int(self._read(st).forwards)
+                trial = self.batch.fork(busy)
+                trial.run(self._key[o], 1, size=size)
                 t0 = time.perf_counter()
-                st, ps, _ = self._run_loop(o, st, ps, start, n, size=size)
+                fwd = trial.run(self._key[o], n, size=size).steps
                 seconds = time.perf_counter() - t0
-                fwd = int(self._read(st).forwards) - start
                 if fwd:
                     ts[o].append(seconds / fwd)
-                del st, ps
+                del trial
         return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
                          batch=size or self.b)
-
-    def _run_loop(self, o: SpecConfig, state, pstates, start: int, n: int, *, size: int | None = None):
-        """Runs option `o` on the first `size` rows (default: all) until the batch's step counter,
-        `start` now, reaches `start + n` or every row is done; returns the states and the chunk's
-        counters (device arrays, `size` rows)."""
-        size = size or self.b
-        params = self.engine.params
-        st, ps = state, pstates.get(o)
-        if size != self.b:
-            st, ps = self._programs[("take", o, size)](st, ps)
-        s = State(decode=st, proposer=ps, stats=self._stats(size, self.decoders[o].depth))
-        s = jax.block_until_ready(self._programs[(o, size)](params, self._pp.get(o), s, np.int32(start + n)))
-        st, ps = s.decode, s.proposer
-        if size != self.b:
-            st, ps = self._programs[("put", o, size)](state, pstates.get(o), st, ps)
-        if o != PLAIN:
-            pstates = {**pstates, o: ps}
-        return st, pstates, s.stats
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
@@ -532,7 +452,7 @@ class Scheduler:
             try:
                 self._insert(free[0], req, now)
             except Exception as e:  # late bad input, or its prefill failed: this request alone
-                if self.slots[free[0]] is req or any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+                if self.slots[free[0]] is req or any(x.is_deleted() for x in jax.tree.leaves(self.batch.state)):
                     raise  # it failed after taking the slot or the donated batch: see reset_batch
                 self.fail(req, f"{type(e).__name__}: {e}")
             else:
@@ -543,35 +463,25 @@ class Scheduler:
 
     def _insert(self, slot: int, req: Request, now: float) -> None:
         req.arrived_s = now if req.arrival is None else req.arrival
-        p = self.engine.bucket_for(len(req.ids))
-        prog = self._insert_program(p)
-        self.state, ps = prog(self.engine.params, *self._insert_args(slot, req, p))
+        view = self.batch.insert(slot, req.inputs if req.inputs is not None else self._inputs(req))
         req.inputs = None  # inserted: its arrays are the batch's now (history keeps no device buffers)
-        self.pstates = dict(zip(self.specs, ps))
-        view = self._read(self.state)
-        lengths, done, tokens = view.lengths, view.done, view.tokens
-        self._forwards = int(view.forwards)
         t = self.now()
         req.status, req.slot = Status.RUNNING, slot
-        req.tokens = [int(tokens[slot, len(req.ids)])]
+        req.tokens = [int(view.tokens[slot, len(req.ids)])]
         req.emissions.append((t, 1))
-        self._lengths[slot] = lengths[slot]
         self.slots[slot] = req
         if self.controller is not None:
             self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
         if self._replay_spec is not None:
             r = self._replay_spec
             self._lookups[req.id] = HostLookup(req.ids + req.tokens, k=r.k, min_n=r.ngram_min, max_n=r.ngram_max)
-        if done[slot]:
+        if view.done[slot]:
             self._finish(req, t, 0)
 
     def _decode_chunk(self, plan: Plan, active: list[Request], size: int) -> None:
         o = plan.option
         t0, start = self.clock(), self.now()
-        self.state, self.pstates, stats = self._run_loop(o, self.state, self.pstates, self._forwards, self.chunk,
-                                                         size=size)
-        view = self._read(self.state, stats)
-        steps, self._forwards = int(view.forwards) - self._forwards, int(view.forwards)
+        chunk = self.batch.run(self._key[o], self.chunk, size=size)
         t = self.now()
         tasks: dict[str, int] = {}
         for r in active:
@@ -579,27 +489,23 @@ class Scheduler:
         self.chunk_log.append(telemetry.ChunkRecord(
             start_s=start, seconds=self.clock() - t0, option=o.label, reason=plan.reason,
             expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
-            batch_size=size, steps=steps))
-        tokens, lengths, done, fwd = view.tokens, view.lengths, view.done, view.row_forwards
-        pad = lambda x: np.concatenate([x, np.zeros((self.b - size,) + x.shape[1:], x.dtype)])
-        stats = jax.tree.map(pad, view.stats)  # rows past the chunk's size: zeros
-        label = o.label
+            batch_size=size, steps=chunk.steps))
+        label, done, forwards = o.label, chunk.view.done, chunk.view.row_forwards
         for req in active:
             i = req.slot
-            new = tokens[i, self._lengths[i]: lengths[i]].tolist()
-            self._lengths[i] = lengths[i]
+            new = chunk.new_tokens(i)
             if new:
                 req.tokens += new
                 req.emissions.append((t, len(new)))
             req.chunks[label] = req.chunks.get(label, 0) + 1
-            chunk = SpecCounters.from_stats(stats, i)
-            if chunk.num_drafts:
-                req.counters.merge(chunk)
+            counters = chunk.counters(i)
+            if counters.num_drafts:
+                req.counters.merge(counters)
                 if self.controller is not None:
-                    self.controller.observe(req.id, o.kind, chunk.accepted_tokens_per_pos, chunk.num_drafts)
+                    self.controller.observe(req.id, o.kind, counters.accepted_tokens_per_pos, counters.num_drafts)
             self._replay(req, real=self._replay_spec is not None and o.kind == self._replay_spec.kind)
             if done[i]:
-                self._finish(req, t, int(fwd[i]))
+                self._finish(req, t, int(forwards[i]))
         self._pack()
 
     def _pack(self) -> None:
@@ -612,10 +518,9 @@ class Scheduler:
             if not free or not busy or free[0] > busy[-1]:
                 return
             src, dst = busy[-1], free[0]
-            self.state, self.pstates = self._programs["move"](self.state, self.pstates, np.int32(src), np.int32(dst))
+            self.batch.move(src, dst)
             req = self.slots[src]
             self.slots[dst], self.slots[src], req.slot = req, None, dst
-            self._lengths[dst] = self._lengths[src]
 
     def _replay(self, req: Request, *, real: bool) -> None:
         """Prompt lookup's evidence on the text this chunk committed (see `ngram.replay`).
@@ -652,8 +557,8 @@ class Scheduler:
         shared |= {id(self.engine.model.embed[...])}  # Medusa's shared LM head is the target's
         if not self.engine.config.tie_embeddings:
             shared |= {id(self.engine.model.lm_head[...])}
-        extra = {id(x): x for pp in self._pparams for x in jax.tree.leaves(pp) if id(x) not in shared}
-        table = nbytes(self.state.table)
+        extra = {id(x): x for pp in self.batch.pparams for x in jax.tree.leaves(pp) if id(x) not in shared}
+        table = nbytes(self.batch.state.table)
         return dict(target_weight_bytes=nbytes(self.engine.params),
                     draft_weight_bytes=nbytes(list(extra.values())),
-                    cache_bytes=nbytes(self.state) - table + nbytes(self.pstates), ngram_table_bytes=table)
+                    cache_bytes=nbytes(self.batch.state) - table + nbytes(self.batch.pstates), ngram_table_bytes=table)

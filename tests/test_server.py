@@ -564,15 +564,15 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
     eng, server, url = served
     sched = server.sched
     openai = need_module("openai")
-    insert_args = sched._insert_args
+    insert = sched._insert
     bad = eng.tokenizer.encode("QQQ")
 
-    def failing_insert(slot, req, p):  # an error in this request's admission (its prefill's inputs)
+    def failing_insert(slot, req, now):  # an error in this request's admission (before its prefill ran)
         if req.ids == bad:
             raise RuntimeError("this request's prefill failed")
-        return insert_args(slot, req, p)
+        return insert(slot, req, now)
 
-    monkeypatch.setattr(sched, "_insert_args", failing_insert)
+    monkeypatch.setattr(sched, "_insert", failing_insert)
     submit, late = sched.submit, eng.tokenizer.encode("ZZZ")
 
     def late_check(ids, **kw):  # bad input caught only by the scheduler: that request's 400
@@ -595,7 +595,7 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference[("completion", p)]
     assert all(r.status != "queued" for r in sched.requests)
 
-    run_loop, failed = sched._run_loop, []
+    run_loop, failed = sched.batch.run, []
 
     def device_error(*a, **kw):  # once all four are running, one chunk fails as a device error would
         if not failed and all(r is not None for r in sched.slots):
@@ -609,7 +609,7 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         time.sleep(0.05)
         return step()
 
-    monkeypatch.setattr(sched, "_run_loop", device_error)
+    monkeypatch.setattr(sched.batch, "run", device_error)
     monkeypatch.setattr(sched, "step", slow_step)
 
     async def in_flight():
@@ -882,9 +882,9 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
                           max_prompt_tokens=64, chunk=4, history=3)
     s.prepare()
     ids = [eng.encode([p])[0] for p in PROMPTS]
-    insert_args = s._insert_args
-    monkeypatch.setattr(s, "_insert_args", lambda slot, req, p: (_ for _ in ()).throw(RuntimeError("bad row"))
-                        if req.ids == ids[0] else insert_args(slot, req, p))
+    insert = s._insert
+    monkeypatch.setattr(s, "_insert", lambda slot, req, now: (_ for _ in ()).throw(RuntimeError("bad row"))
+                        if req.ids == ids[0] else insert(slot, req, now))
     rids = [s.submit(x) for x in ids]
     s.run()
     reqs = {r.id: r for r in s.requests}
@@ -893,18 +893,18 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     for rid, p in zip(rids[1:], PROMPTS[1:]):
         assert reqs[rid].status == "finished" and reqs[rid].tokens == reference[("completion", p)]
     s.cancel(rids[0])  # an id no longer known: a no-op
-    monkeypatch.setattr(s, "_insert_args", insert_args)
+    monkeypatch.setattr(s, "_insert", insert)
 
     first = [s.submit(x) for x in ids[:2]]
     later = s.submit(ids[2])
     s.step()  # admits all three, runs a chunk
-    run_loop = s._run_loop
-    monkeypatch.setattr(s, "_run_loop", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    run_loop = s.batch.run
+    monkeypatch.setattr(s.batch, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         s.step()
     failed = s.reset_batch("engine error: device lost")
     assert {r.id for r in failed} == {*first, later} and all(r.status == "failed" for r in failed)
-    monkeypatch.setattr(s, "_run_loop", run_loop)
+    monkeypatch.setattr(s.batch, "run", run_loop)
     again = s.submit(ids[3])
     s.run()
     assert s.live == {} and all(r is None for r in s.slots)

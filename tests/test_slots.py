@@ -128,3 +128,54 @@ def test_the_functional_insert_equals_the_slot_operation(ops, model):
         assert np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
     assert _leaves_equal(full.proposer, pstates[0])
     assert np.asarray(full.stats.accepted_per_position).shape[0] == 2
+
+
+def test_running_batch_rows_equal_each_request_alone_and_nothing_compiles_after_construction(ops, tiny_model):
+    """`RunningBatch`, the batch a host serves from: requests inserted at different times, chunks of
+    either option on the full batch or its first two rows, a move and a release; every request's
+    tokens are its batch-of-one generation, and no operation compiles after the constructor and
+    `compile_insert`."""
+    import specjax
+    from specjax.engine import Engine
+    from specjax.slots import RunningBatch
+
+    eng = Engine(tiny_model)
+    rb = RunningBatch(ops, params=eng.params, pparams=(None,), compile=eng.program,
+                      empty=Inputs.create([[0]] * 4, bucket=1, max_new_tokens=1), loops=(None, 0), sizes=(2,))
+    rb.compile_insert(_rows([[0]]))
+    rb.warm_inserts()
+    compiled = eng.compile_count
+    prompts = {7: [1, 2, 3, 1, 2, 3], 8: [4, 5, 6, 7], 9: [9, 9, 9, 9, 9], 10: [3, 1]}
+    alone = {r: specjax.new_tokens(specjax.generate(tiny_model, _rows([p], row_ids=[r]), decoder=ops.base))[0]
+             for r, p in prompts.items()}
+    got, slot_of = {}, {}
+
+    def insert(slot, r):
+        view = rb.insert(slot, _rows([prompts[r]], row_ids=[r]))
+        got[r], slot_of[r] = [int(view.tokens[slot, len(prompts[r])])], slot
+
+    def run(option, size=None):
+        chunk = rb.run(option, 2, size=size)
+        assert 0 <= chunk.steps <= 2
+        for r, slot in slot_of.items():
+            got[r] += chunk.new_tokens(slot)
+        return chunk
+
+    insert(0, 7)
+    insert(1, 8)
+    run(0, size=2)          # prompt lookup on the first two rows
+    assert not rb.read().done[1]
+    rb.release(1)           # request 8 cancelled: it stops here
+    del slot_of[8]
+    insert(2, 9)
+    run(None)               # plain on all four
+    rb.move(2, 3)           # row 9 to slot 3 and back: moved rows continue as they were
+    rb.move(3, 2)
+    insert(1, 10)
+    run(0)
+    while not all(rb.read().done[s] for s in slot_of.values()):
+        run(0)
+    assert eng.compile_count == compiled, "an operation compiled after construction"
+    for r in (7, 9, 10):
+        assert got[r] == alone[r], r
+    assert got[8] == alone[8][: len(got[8])] and len(got[8]) < len(alone[8])

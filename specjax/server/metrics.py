@@ -55,7 +55,7 @@ def memory_parts(sched) -> dict[str, int]:
     shared = {id(x) for x in weights}
     model = sched.engine.model  # Medusa's LM head is the target's (as `Scheduler.memory` counts it)
     shared |= {id(model.embed[...])} | (set() if sched.engine.config.tie_embeddings else {id(model.lm_head[...])})
-    draft = [x for x in leaves(sched._pparams) if id(x) not in shared]
+    draft = [x for x in leaves(sched.batch.pparams) if id(x) not in shared]
     table = leaves(sched.state.table) if getattr(sched.state, "table", None) is not None else []
     in_table = {id(x) for x in table}
     caches = [x for x in leaves(sched.state) + leaves(sched.pstates) if id(x) not in in_table]
