@@ -1,5 +1,6 @@
 """The speculative loop on a device mesh, on 8 fake CPU devices in a process of its own (see below):
-token-identical to one device for every method on (8,1) (4,2) (2,4) (1,8), greedy and sampled; the
+token-identical to one device for every method on (8,1) (4,2) (2,4) (1,8), greedy or sampled in
+turns (every method and every mesh both); the
 layout; compile count and carry layout under streaming; no cache-sized collective in the compiled
 loops; per-device bytes; bad input fails before compiling; two processes; training across meshes."""
 
@@ -174,13 +175,28 @@ def _same(results, ref):
         assert a.counters == b.counters
 
 
+def _mode(method: str, mesh: tuple[int, int]) -> str:
+    """Greedy or sampled for one (method, mesh) case, alternating over both: every method runs
+    greedy on two meshes and sampled on the other two, and every mesh runs both modes (each case
+    compiles its own loop on 8 devices, so the full cross of 56 costs twice these 28)."""
+    return ("greedy", "sampled")[(list(METHODS).index(method) + MESHES.index(mesh)) % 2]
+
+
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
 @pytest.mark.parametrize("method", list(METHODS))
 def test_mesh_output_equals_one_device(assets, reference, mesh, method):
     target, draft, heads = assets
     eng = _eng(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=mesh[0], model=mesh[1]))
-    for mode, kw in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        _same(eng.generate(PROMPTS, spec=METHODS[method], **kw), reference[method, mode])
+    mode = _mode(method, mesh)
+    _same(eng.generate(PROMPTS, spec=METHODS[method], **(GREEDY if mode == "greedy" else SAMPLED)),
+          reference[method, mode])
+
+
+def test_the_mesh_cases_cover_every_method_mesh_and_mode():
+    for method in METHODS:
+        assert sorted(_mode(method, m) for m in MESHES) == ["greedy"] * 2 + ["sampled"] * 2
+    for mesh in MESHES:
+        assert {_mode(m, mesh) for m in METHODS} == {"greedy", "sampled"}
 
 
 def test_functional_api_on_a_mesh(assets, reference):
