@@ -2,6 +2,7 @@
 heads, ragged batches), drafts accepted, the dynamic tree's mask against explicit forwards, fixed
 shapes (compile counts), lossless sampling, and bad input."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,6 +101,7 @@ def test_dynamic_tree_mask_equals_a_forward_over_each_path(tiny_model, trained):
     assert (par[:, 1:] < np.arange(1, 11)[None]).all()  # parents first
     out = verify(tiny_model, state.decode, drafts.tokens, win)
     s = state.decode
+    seqs, nodes = [], []  # prefix + path of every node, (row, node)
     for b in range(2):
         length = int(s.lengths[b])
         prefix = np.asarray(s.tokens[b, :length]).tolist()
@@ -113,11 +115,16 @@ def test_dynamic_tree_mask_equals_a_forward_over_each_path(tiny_model, trained):
             path = path[::-1]
             assert len(path) == int(win.depth[b, w])
             sibling_sets.setdefault(par[b, w], []).append(window[w])
-            toks = jnp.asarray([prefix + [window[u] for u in path]])
-            n = toks.shape[1]
-            full = tiny_model(toks, jnp.arange(n)[None], KVCache.zeros(tiny_model.config, 1, 48))
-            np.testing.assert_allclose(out.logits[b, w], full.logits[0, -1], atol=1e-5)
+            seqs.append(prefix + [window[u] for u in path])
+            nodes.append((b, w))
         assert all(len(set(x)) == len(x) for x in sibling_sets.values())  # siblings distinct
+    # one causal forward over every sequence, right-padded (a position sees nothing after it)
+    n = 48
+    toks = jnp.asarray([x + [0] * (n - len(x)) for x in seqs])
+    positions = jnp.broadcast_to(jnp.arange(n)[None], toks.shape)
+    full = jax.jit(lambda t, p: tiny_model(t, p, KVCache.zeros(tiny_model.config, t.shape[0], n)).logits)(toks, positions)
+    for i, (b, w) in enumerate(nodes):
+        np.testing.assert_allclose(out.logits[b, w], full[i, len(seqs[i]) - 1], atol=1e-5)
 
 
 def test_dynamic_tree_picks_the_most_probable_paths(tiny_model, trained):

@@ -157,15 +157,19 @@ def test_tree_node_logits_equal_a_chain_over_its_path(tiny_model, key):
     mask = jnp.broadcast_to(jnp.asarray(topo.ancestors), (b,) + topo.ancestors.shape)
     out = tiny_model(window, start[:, None] + jnp.asarray(topo.depth)[None], cache, start=start,
                      window_mask=mask)
+    # jitted: one program per path length, not an eager dispatch per operation
+    forward = jax.jit(lambda toks: tiny_model(toks, jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape),
+                                              KVCache.zeros(cfg, b, s)))
+    compact = jax.jit(tree_lib.compact)
     for w in range(1, len(topo.depth)):
         path = [v for v in range(w + 1) if topo.ancestors[w, v]]
         toks = jnp.concatenate([prompts, window[:, path[1:]]], axis=1)
         n = toks.shape[1]
-        full = tiny_model(toks, jnp.broadcast_to(jnp.arange(n), (b, n)), KVCache.zeros(cfg, b, s))
+        full = forward(toks)
         np.testing.assert_allclose(out.logits[:, w], full.logits[:, -1], atol=1e-5)
         # compaction moves this path's K/V to consecutive slots, equal to the chain's
         slots = jnp.broadcast_to(jnp.asarray(path + [0] * (topo.max_depth + 1 - len(path))), (b, topo.max_depth + 1))
-        moved = tree_lib.compact(out.cache, start, slots)
+        moved = compact(out.cache, start, slots)
         np.testing.assert_allclose(moved.k[-1][:, p - 1: n], full.cache.k[-1][:, p - 1: n], atol=1e-5)
 
 
