@@ -98,13 +98,16 @@ def reference(assets):
             for name, spec in METHODS.items() for mode, kw in (("greedy", GREEDY), ("sampled", SAMPLED))}
 
 
-def _teacher_forced_logits(model, prompt, generated):
-    """Logits `[n, V]` that chose each generated token (one device, full forward)."""
-    seq = jnp.asarray([prompt + generated], jnp.int32)
-    cache = KVCache.zeros(model.config, 1, seq.shape[1])
-    positions = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
-    logits = model(seq, positions, cache).logits[0]
-    return np.asarray(logits[len(prompt) - 1: len(prompt) - 1 + len(generated)])
+def _teacher_forced_logits(model, prompts, generated):
+    """Per row, logits `[n_i, V]` that chose each generated token: one jitted causal forward over
+    every `prompt + generated`, right-padded (a position sees nothing after it), on one device."""
+    seqs = [p + g for p, g in zip(prompts, generated)]
+    n = max(map(len, seqs))
+    toks = jnp.asarray([x + [0] * (n - len(x)) for x in seqs], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], toks.shape)
+    full = jax.jit(lambda t, q: model(t, q, KVCache.zeros(model.config, t.shape[0], n)).logits)(toks, positions)
+    full = np.asarray(full)
+    return [full[r, len(p) - 1: len(p) - 1 + len(g)] for r, (p, g) in enumerate(zip(prompts, generated))]
 
 
 def _gap(z):
@@ -112,25 +115,35 @@ def _gap(z):
     return top2[..., 1] - top2[..., 0]
 
 
+@jax.jit
+def _gumbels(row_keys, positions, vocab_like):
+    """The Gumbel noise the sampler drew for each (row key, absolute position): `[n, V]`."""
+    draw = lambda k, i: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(k, i), 0), vocab_like.shape)
+    return jax.vmap(draw)(row_keys, positions)
+
+
 def test_reference_has_no_near_ties(assets, reference):
     """Greedy: every token the target chose won by >= GAP (all greedy methods emit these tokens).
     Sampled plain: the Gumbel-max draw `argmax(filtered + gumbel(key))` that chose each token won by
     >= GAP, and no top-k / top-p boundary was within GAP of flipping."""
     target = assets[0]
-    for r, prompt in enumerate(PROMPTS):
-        toks = reference["plain", "greedy"][r].tokens
-        lg = _teacher_forced_logits(target, prompt, toks)
+    greedy = [r.tokens for r in reference["plain", "greedy"]]
+    sampled = [r.tokens for r in reference["plain", "sampled"]]
+    logits = _teacher_forced_logits(target, PROMPTS + PROMPTS, greedy + sampled)
+    for r, (prompt, toks) in enumerate(zip(PROMPTS, greedy)):
+        lg = logits[r]
         assert (lg.argmax(-1) == toks).all()
         assert _gap(lg).min() >= GAP, f"row {r}: near tie, pick other prompts or seeds"
 
-        toks = reference["plain", "sampled"][r].tokens
-        lg = _teacher_forced_logits(target, prompt, toks)
+    for r, (prompt, toks) in enumerate(zip(PROMPTS, sampled)):
+        lg = logits[len(PROMPTS) + r]
         row_key = jax.random.fold_in(jax.random.key(SAMPLED["seed"]), r)
         params = SamplingParams.create(len(toks), SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"])
         filt = np.asarray(filtered_logits(jnp.asarray(lg), params))
+        keys = jnp.broadcast_to(row_key, (len(toks),))
+        noise = np.asarray(_gumbels(keys, len(prompt) + jnp.arange(len(toks)), jnp.zeros(filt.shape[-1])))
         for i, tok in enumerate(toks):
-            key = jax.random.fold_in(jax.random.fold_in(row_key, len(prompt) + i), 0)
-            z = filt[i] + np.asarray(jax.random.gumbel(key, filt[i].shape))
+            z = filt[i] + noise[i]
             assert z.argmax() == tok and _gap(z) >= GAP, f"row {r} token {i}: near tie in the draw"
             scaled = np.sort(lg[i] / SAMPLED["temperature"])[::-1]
             k = SAMPLED["top_k"]
