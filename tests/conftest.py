@@ -15,8 +15,13 @@ if TINY_UNOPTIMISED:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")  # cli.main leaves the persistent compilation cache off here
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -53,6 +58,7 @@ PROGRAM_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilatio
 
 from specjax.models import config as model_config  # noqa: E402
 from specjax.models import loader  # noqa: E402
+from specjax.models.kv_cache import KVCache  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -86,13 +92,14 @@ def pytest_runtest_protocol(item, nextitem):
     """A test of the real model (its fixtures reach `smollm2_path`) compiles with XLA's defaults,
     setup included (see TINY_UNOPTIMISED at the top)."""
     real = TINY_UNOPTIMISED and "smollm2_path" in getattr(item, "fixturenames", ())
+    before = jax.config.read("jax_disable_most_optimizations")
     if real:
         jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
         if real:
-            jax.config.update("jax_disable_most_optimizations", True)
+            jax.config.update("jax_disable_most_optimizations", before)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -118,6 +125,25 @@ def need_module(name: str):
         return __import__(name)
     except ImportError as e:
         unavailable(f"{name} is not installed ({e}); pip install -e '.[test,oracle,plot]'")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def full_logits(graphdef, params, tokens):
+    """Logits `[B, T, V]` of one causal forward over `tokens` `[B, T]` from position 0, into a fresh
+    cache: the reference that cached and speculative decoding are checked against."""
+    model = nnx.merge(graphdef, params)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+
+
+def padded_logits(model, seqs, length: int | None = None) -> np.ndarray:
+    """`full_logits` of token lists of any lengths, right-padded with 0 to `length` (default: the
+    longest) in one batch: a position sees nothing after it, so row r's logits up to `len(seqs[r])`
+    are its own sequence's."""
+    toks = np.zeros((len(seqs), length or max(map(len, seqs))), np.int32)
+    for r, x in enumerate(seqs):
+        toks[r, :len(x)] = x
+    return np.asarray(full_logits(*nnx.split(model), jnp.asarray(toks)))
 
 
 @pytest.fixture

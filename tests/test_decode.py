@@ -1,17 +1,14 @@
 """Plain decoding through the Engine: greedy oracle, batching, compile cache, stopping, sampling."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import padded_logits
 from scipy import stats
 
 from specjax import sampling
 from specjax.engine import Engine, GenerateOptions
-from specjax.models.kv_cache import KVCache
 from specjax.sampling import Sample, SamplingParams
 from specjax.config import SpecConfig
 
@@ -47,26 +44,15 @@ def engine(tiny_model):
     return Engine(tiny_model, buckets=BUCKETS)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _full_logits(graphdef, params, tokens):
-    model = nnx.merge(graphdef, params)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
-
-
 def reference_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Argmax decoding that recomputes every whole sequence each step, with no cache reuse.
 
     Sequences are right-padded to REF_LEN (causality makes the padding irrelevant) so that
     every step reuses one compiled forward.
     """
-    graphdef, params = nnx.split(model)
     seqs = [list(p) for p in prompts]
     for _ in range(n):
-        padded = np.zeros((len(seqs), REF_LEN), np.int32)
-        for r, seq in enumerate(seqs):
-            padded[r, : len(seq)] = seq
-        logits = np.asarray(_full_logits(graphdef, params, jnp.asarray(padded)))
+        logits = padded_logits(model, seqs, REF_LEN)
         for r, seq in enumerate(seqs):
             seq.append(int(np.argmax(logits[r, len(seq) - 1])))
     return [seq[len(p):] for seq, p in zip(seqs, prompts)]

@@ -2,10 +2,10 @@
 heads, ragged batches), drafts accepted, the dynamic tree's mask against explicit forwards, fixed
 shapes (compile counts), lossless sampling, and bad input."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import padded_logits
 from flax import nnx
 
 from specjax import tree as tree_lib
@@ -14,7 +14,6 @@ from specjax.core import Decoder, Inputs
 from specjax.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.kv_cache import KVCache
 from specjax.proposers.eagle import EagleProposer
 from specjax.train_heads import eagle as train
 
@@ -118,11 +117,7 @@ def test_dynamic_tree_mask_equals_a_forward_over_each_path(tiny_model, trained):
             seqs.append(prefix + [window[u] for u in path])
             nodes.append((b, w))
         assert all(len(set(x)) == len(x) for x in sibling_sets.values())  # siblings distinct
-    # one causal forward over every sequence, right-padded (a position sees nothing after it)
-    n = 48
-    toks = jnp.asarray([x + [0] * (n - len(x)) for x in seqs])
-    positions = jnp.broadcast_to(jnp.arange(n)[None], toks.shape)
-    full = jax.jit(lambda t, p: tiny_model(t, p, KVCache.zeros(tiny_model.config, t.shape[0], n)).logits)(toks, positions)
+    full = padded_logits(tiny_model, seqs, 48)  # one causal forward over every sequence
     for i, (b, w) in enumerate(nodes):
         np.testing.assert_allclose(out.logits[b, w], full[i, len(seqs[i]) - 1], atol=1e-5)
 

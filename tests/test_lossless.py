@@ -7,14 +7,13 @@ key streams give independent samples, compared with chi-square tests on the pair
 accepted drafts, the corrections and the bonus token, not only the prefill's t1.
 """
 
-import functools
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import full_logits
 from scipy import stats
 
 from specjax import acceptance, sampling
@@ -24,7 +23,6 @@ from specjax.config import SpecConfig
 from specjax.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.models.kv_cache import KVCache
 from specjax.sampling import SamplingParams
 
 V = 16
@@ -60,14 +58,6 @@ def eng(target, draft):
     return Engine(target, draft=draft)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, params, tokens):
-    model = nnx.merge(graphdef, params)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return model(tokens, positions, KVCache.zeros(model.config, b, t)).logits
-
-
 def conditionals(model, opts):
     """Per-position sampling distributions after PROMPT + every 3-token continuation.
 
@@ -75,7 +65,7 @@ def conditionals(model, opts):
     """
     prefixes = np.array(list(itertools.product(range(V), repeat=NEW - 1)), np.int32)
     tokens = np.concatenate([np.tile(PROMPT, (len(prefixes), 1)), prefixes], axis=1)
-    logits = _forward(*nnx.split(model), jnp.asarray(tokens))[:, len(PROMPT) - 1:]
+    logits = full_logits(*nnx.split(model), jnp.asarray(tokens))[:, len(PROMPT) - 1:]
     params = SamplingParams.create(len(prefixes), opts.get("temperature", 0.0), opts.get("top_k", 0),
                                    opts.get("top_p", 1.0))
     return np.asarray(sampling.probs(logits, params), np.float64).reshape((V,) * (NEW - 1) + (NEW, V))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import padded_logits
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -99,14 +100,8 @@ def reference(assets):
 
 
 def _teacher_forced_logits(model, prompts, generated):
-    """Per row, logits `[n_i, V]` that chose each generated token: one jitted causal forward over
-    every `prompt + generated`, right-padded (a position sees nothing after it), on one device."""
-    seqs = [p + g for p, g in zip(prompts, generated)]
-    n = max(map(len, seqs))
-    toks = jnp.asarray([x + [0] * (n - len(x)) for x in seqs], jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], toks.shape)
-    full = jax.jit(lambda t, q: model(t, q, KVCache.zeros(model.config, t.shape[0], n)).logits)(toks, positions)
-    full = np.asarray(full)
+    """Per row, logits `[n_i, V]` that chose each generated token (one forward on one device)."""
+    full = padded_logits(model, [p + g for p, g in zip(prompts, generated)])
     return [full[r, len(p) - 1: len(p) - 1 + len(g)] for r, (p, g) in enumerate(zip(prompts, generated))]
 
 
