@@ -77,7 +77,7 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
     """Loads weights and tokenizer.
 
     Args:
-      name_or_path: a registry name (`specjax.models.registry.known_models()`), a .gguf file or
+      name_or_path: a registry name (`specjax.models.catalog.known_models()`), a .gguf file or
         an HF directory (config.json + *.safetensors + tokenizer.json).
       dtype: compute dtype; float32 (default, fast on CPU) or bfloat16 (GPU/TPU).
       param_dtype: storage dtype of the weights; defaults to `dtype`.
@@ -85,10 +85,10 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
       weight_layout: how projection weights are stored ("kn" or "nk"); by default the faster one
         for this backend and dtype (`specjax.models.linear.preferred_layout`). Outputs do not change.
     """
-    from specjax.models import registry
+    from specjax.models import catalog
     from specjax.models.tokenizer import Tokenizer
 
-    path = registry.resolve(name_or_path)
+    path = catalog.resolve(name_or_path)
     name = name_or_path if name_or_path in PRESETS else path.stem
     over = dict(dtype=dtype, param_dtype=param_dtype or dtype,
                 weight_layout=linear.check_layout(weight_layout or linear.preferred_layout(dtype=dtype)))

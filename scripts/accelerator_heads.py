@@ -89,8 +89,8 @@ def pack(stage, *, model="smollm2-135m", conversations=3000, self_prompts=2000, 
     """Writes `stage/a` (packages, the model's first half) and `stage/b` (its second half, the ids)."""
     import importlib
 
-    from specjax.engine import Engine
-    from specjax.models import registry
+    from specjax.serving.engine import Engine
+    from specjax.models import catalog
     from specjax.train_heads import data, eagle
 
     stage = pathlib.Path(stage)
@@ -100,7 +100,7 @@ def pack(stage, *, model="smollm2-135m", conversations=3000, self_prompts=2000, 
     (a / "deps").mkdir(parents=True)
     b.mkdir(parents=True)
     engine = Engine.load(model)
-    path = registry.resolve(model)
+    path = catalog.resolve(model)
     t0 = time.perf_counter()
     items = eagle.corpus(engine, "sharegpt", conversations, seq_len, log=log)
     prompts = data.select_prompts(engine, self_prompts, max_prompt_tokens=max_prompt_tokens) if self_prompts else []
@@ -161,7 +161,7 @@ def load_target(stage: pathlib.Path, manifest: dict) -> Target:
 def self_answers(target: Target, prompts, stop_ids, *, max_new_tokens: int, seq_len: int, batch_size: int,
                  log=print):
     """The target's own greedy answers to `prompts` (token ids), generated in batches: (ids, answer mask)."""
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
 
     engine = Engine(target.model, name=target.name, weights_id=target.weights_id)
     items = []

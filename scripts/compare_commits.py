@@ -42,9 +42,9 @@ def _package_tree(worktree: pathlib.Path, into: pathlib.Path) -> None:
 
 def worker(args) -> None:
     sys.path.insert(0, args.worker)
-    from specjax.config import SpecConfig
-    from specjax.engine import Engine
-    from specjax.prompts import read_prompts
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine
+    from specjax.bench.prompts import read_prompts
 
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
     eng = Engine.load("smollm2-135m", heads="default")
@@ -64,9 +64,9 @@ def _serve(eng, prompts, args) -> list[dict]:
     """Every method serves all prompts through one Scheduler of `args.scheduler` slots."""
     import time
 
-    from specjax.config import SpecConfig
-    from specjax.engine import GenerateOptions
-    from specjax.scheduler import Scheduler
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import GenerateOptions
+    from specjax.serving.scheduler import Scheduler
 
     rows = []
     for m in args.methods.split(","):

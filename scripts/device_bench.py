@@ -9,9 +9,9 @@ import sys
 
 import jax
 
-from specjax.bench import window_costs
-from specjax.config import SpecConfig
-from specjax.engine import Engine
+from specjax.bench.offline import window_costs
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
 from specjax.models import config, loader
 
 print("devices:", jax.devices())

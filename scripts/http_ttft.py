@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from specjax.prompts import bench_prompts
+from specjax.bench.prompts import bench_prompts
 
 _SUM = re.compile(r"^specjax:time_to_first_token_seconds_sum(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 

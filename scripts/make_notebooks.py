@@ -130,7 +130,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from specjax import Engine, SpecConfig, telemetry
-from specjax.prompts import read_prompts
+from specjax.bench.prompts import read_prompts
 
 data = next(p for p in (pathlib.Path("../shared/data"), pathlib.Path("../../shared/data"))
             if (p / "specbench-dev.jsonl").is_file())
@@ -180,7 +180,7 @@ import numpy as np
 
 from specjax import Engine, SpecConfig
 from specjax.models.heads import HeadsConfig
-from specjax.prompts import read_prompts
+from specjax.bench.prompts import read_prompts
 from specjax.train_heads.data import TokenData, teacher_force
 from specjax.train_heads.train import TrainConfig, Trainer
 

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from specjax import sharding
-from specjax.bench import measure_bandwidth
-from specjax.config import SpecConfig
-from specjax.engine import Engine
+from specjax.bench.offline import measure_bandwidth
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
 from specjax.models import config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
 

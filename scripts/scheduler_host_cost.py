@@ -27,9 +27,9 @@ def worker(tree):
     sys.path.insert(0, tree)
     import time
 
-    from specjax.config import SpecConfig
-    from specjax.engine import Engine, GenerateOptions
-    from specjax.scheduler import Scheduler
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine, GenerateOptions
+    from specjax.serving.scheduler import Scheduler
     from specjax.models import config, loader
     model = os.environ.get("MODEL")
     eng = Engine.load(model) if model else Engine(loader.init_model(config.preset("tiny"), seed=0))

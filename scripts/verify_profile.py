@@ -6,12 +6,12 @@
 
 Weights are constant/random of each preset's shape (timing does not depend on values; nothing is
 downloaded). The same report: `specjax bench --verify-profile --model NAME`. What it measures and how:
-`specjax.verify_profile`.
+`specjax.bench.verify_profile`.
 """
 
 import argparse
 
-from specjax import verify_profile
+from specjax.bench import verify_profile
 
 
 def main():

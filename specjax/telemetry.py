@@ -41,7 +41,7 @@ class SpecCounters:
 
     @classmethod
     def from_stats(cls, stats, row: int) -> "SpecCounters":
-        """Row `row` of the device counters (`specjax.core.Stats`, host or device arrays)."""
+        """Row `row` of the device counters (`specjax.core.decoder.Stats`, host or device arrays)."""
         hist = np.asarray(stats.accept_hist)[row]
         if hist.size <= 1:  # the plain loop drafts nothing
             return cls()

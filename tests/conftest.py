@@ -164,11 +164,11 @@ def tiny_model(tiny_config):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path of the SmolLM2-135M GGUF, fetched through the registry; skips if it cannot be had."""
-    from specjax.models import registry
+    from specjax.models import catalog
 
     try:
-        return registry.resolve("smollm2-135m")
-    except registry.ModelNotFoundError as e:
+        return catalog.resolve("smollm2-135m")
+    except catalog.ModelNotFoundError as e:
         unavailable(f"SmolLM2-135M not available: {e}")
 
 

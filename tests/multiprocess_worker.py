@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_sharding import GREEDY, METHODS, MULTI, PROMPTS, SAMPLED, make_assets  # noqa: E402
 
 from specjax import sharding  # noqa: E402
-from specjax.engine import Engine  # noqa: E402
+from specjax.serving.engine import Engine  # noqa: E402
 
 target, draft, heads = make_assets()  # same seeds: the same weights on every process
 eng = Engine(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=4, model=2))

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import acceptance, sampling
-from specjax.sampling import Greedy, Sample, SamplingParams
-from specjax.tree import chain_topology
+from specjax.core import acceptance
+from specjax.core import sampling
+from specjax.core.sampling import Greedy, Sample, SamplingParams
+from specjax.core.tree import chain_topology
 
 N = 20_000  # rows (independent keys) for the distribution checks
 V = 6  # one vocabulary and few window sizes, so the jitted rule compiles a handful of times

@@ -5,10 +5,10 @@ returned [], and `stream(chunk=0)` never returned.)"""
 
 import pytest
 
-from specjax.config import SpecConfig
-from specjax.core import Inputs
-from specjax.engine import Engine, GenerateOptions
-from specjax.scheduler import Scheduler
+from specjax.methods.config import SpecConfig
+from specjax.core.decoder import Inputs
+from specjax.serving.engine import Engine, GenerateOptions
+from specjax.serving.scheduler import Scheduler
 
 
 class CharTokenizer:

@@ -5,10 +5,11 @@ import json
 import pytest
 from conftest import need_module
 
-from specjax import cli, loadbench
-from specjax.engine import Engine, GenerateOptions
-from specjax.loadbench import LoadPlan
-from specjax.prompts import Prompt
+from specjax.cli import commands as cli
+from specjax.bench import load as loadbench
+from specjax.serving.engine import Engine, GenerateOptions
+from specjax.bench.load import LoadPlan
+from specjax.bench.prompts import Prompt
 
 FIELDS = {"method", "concurrency", "task", "tau", "speedup_vs_none", "throughput_tok_s", "ttft_p50_s",
           "itl_p50_s", "itl_p99_s", "peak_mem_bytes", "arrays_bytes", "greedy_identical", "target_weight_bytes",
@@ -121,8 +122,8 @@ def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, 
 def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
     from flax import nnx
 
-    from specjax.config import SpecConfig
-    from specjax.controller import ControllerConfig
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.controller import ControllerConfig
     from specjax.models.heads import HeadsConfig, MedusaHeads
 
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
@@ -140,17 +141,17 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
 
 
 def test_offline_bench_side_by_side(tiny_model):
-    from specjax import bench
-    from specjax.config import SpecConfig
+    from specjax.bench import offline
+    from specjax.methods.config import SpecConfig
 
     eng = Engine(tiny_model)
     prompts = [Prompt(1, [5, 9, 12, 5, 9, 12, 5, 9], "copy"), Prompt(2, [40, 41, 42, 43, 40], "chat"),
                Prompt(3, [3, 4, 5, 3, 4, 5], "copy")]
     specs = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4)}
-    rows = bench.run(eng, prompts, specs, GenerateOptions(max_new_tokens=12, stop_ids=()), batch_size=2,
+    rows = offline.run(eng, prompts, specs, GenerateOptions(max_new_tokens=12, stop_ids=()), batch_size=2,
                      repeats=2, progress=False)
     assert len(rows) == 2 * 2 * 3
-    records = bench.summarize(rows)
+    records = offline.summarize(rows)
     assert [(r["method"], r["task"]) for r in records] == [
         ("none", "all"), ("none", "chat"), ("none", "copy"), ("ngram", "all"), ("ngram", "chat"), ("ngram", "copy")]
     for r in records:
@@ -159,7 +160,7 @@ def test_offline_bench_side_by_side(tiny_model):
     assert none_all["tau"] == 1.0 and none_all["speedup_vs_none"] == 1.0 and none_all["prompts"] == 6
     ngram_copy = records[-1]
     assert ngram_copy["tau"] > 1 and len(ngram_copy["accepted_tokens_per_pos"]) == 4
-    assert "| ngram | copy | 4 |" in bench.markdown(records)
+    assert "| ngram | copy | 4 |" in offline.markdown(records)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -183,7 +184,7 @@ SURGE_FIELDS = {"method", "phase", "rate", "requests", "ttft_p50_s", "latency_me
 
 
 def test_surge_bench_at_tiny_scale(tiny_model, tmp_path):
-    from specjax import surge
+    from specjax.bench import surge
 
     phases = ((40.0, 0.25), (400.0, 0.1), (40.0, 0.25))
     times, index = surge.arrivals(phases)  # the seed the bench uses
@@ -217,7 +218,7 @@ def test_surge_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch
 
 
 def test_output_folders_are_made_before_any_work(tmp_path, monkeypatch, capsys):
-    from specjax.prompts import check_output_paths
+    from specjax.bench.prompts import check_output_paths
 
     out = tmp_path / "new" / "deeper" / "records.json"
     check_output_paths(str(out), None)

@@ -1,13 +1,13 @@
-"""`specjax.cli`: flags onto specs and options, each command's checks before any model loads, the
+"""`specjax.cli.commands`: flags onto specs and options, each command's checks before any model loads, the
 commands end to end on the tiny random model (Engine.load replaced), and the CLI's compilation cache."""
 
 import json
 
 import pytest
 
-from specjax import cli
-from specjax.config import SpecConfig
-from specjax.engine import Engine
+from specjax.cli import commands as cli
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
 
 
 # ---- flags onto a SpecConfig ------------------------------------------------------------------------
@@ -77,7 +77,7 @@ class _CharTokenizer:
 
 @pytest.fixture
 def tiny_cli(tiny_model, monkeypatch):
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
 
     engines = []
 
@@ -90,7 +90,8 @@ def tiny_cli(tiny_model, monkeypatch):
 
 
 def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli, capsys, monkeypatch):
-    from specjax import cli, scheduler
+    from specjax.cli import commands as cli
+    from specjax.serving import scheduler
 
     made = []
     init = scheduler.Scheduler.__init__
@@ -122,7 +123,7 @@ def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli,
 def test_generate_auto_json_has_the_comparison(tiny_cli, capsys):
     import json
 
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     assert cli.main(["generate", "--method", "auto", "--prompt", "abcabcabc", "--repeats", "1",
                      "--max-new-tokens", "8", "--json", "--auto-methods", "ngram"]) == 0
@@ -139,7 +140,7 @@ def test_generate_auto_json_has_the_comparison(tiny_cli, capsys):
     (["--method", "ngram", "--prompt", "x", "--repeats", "3"], "for --method auto"),
 ])
 def test_generate_auto_flags_are_checked(tiny_cli, capsys, argv, match):
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     assert cli.main(["generate", *argv]) == 2
     assert match in capsys.readouterr().err
@@ -166,12 +167,12 @@ def test_bench_spec_of_every_method_label(tiny_model):
     import numpy as np
     from flax import nnx
 
-    from specjax import bench
-    from specjax.config import TREES
+    from specjax.bench import offline
+    from specjax.methods.config import TREES
     from specjax.models.eagle import EagleConfig, EagleHead
 
     args = cli.build_parser().parse_args(["bench", "--k", "3", "--tree", "small"])
-    specs = {m: cli._bench_spec(m, args) for m in bench.OFFLINE_METHODS}
+    specs = {m: cli._bench_spec(m, args) for m in offline.OFFLINE_METHODS}
     assert specs["none"].method == "none" and specs["ngram"].k == 3 and specs["draft"].tree is None
     assert specs["medusa"].tree == TREES["small"] and specs["eagle"] is None and specs["eagle-tree"] is None
     eng = Engine(tiny_model)
@@ -191,8 +192,8 @@ def test_bench_spec_of_every_method_label(tiny_model):
     (["--features", "final", "--feature-layers", "1"], "feature-layers"),
 ])
 def test_cli_extract_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
-    from specjax import cli
-    from specjax.engine import Engine
+    from specjax.cli import commands as cli
+    from specjax.serving.engine import Engine
 
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
     assert cli.main(["train-heads", "extract", "--out", str(tmp_path), *argv]) == 2
@@ -200,7 +201,7 @@ def test_cli_extract_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch
 
 
 def test_tune_cli_rejects_a_directory_without_a_head(tmp_path, capsys):
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     assert cli.main(["tune-heads", "--eagle", str(tmp_path)]) == 2
     assert "manifest.json" in capsys.readouterr().err
@@ -220,7 +221,7 @@ def test_the_cli_keeps_compiled_programs_under_the_specjax_cache(monkeypatch, tm
     import jax
     from jax._src import compilation_cache
 
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")

@@ -1,8 +1,8 @@
-"""`specjax.compare`: the report of `make run` (auto against plain) from fixed timings."""
+"""`specjax.bench.compare`: the report of `make run` (auto against plain) from fixed timings."""
 
 import pytest
 
-from specjax import compare
+from specjax.bench import compare
 
 
 def _report(auto_s, plain_s, chunks, tokens=100, **kw):

@@ -1,10 +1,10 @@
-"""`specjax.config`: `SpecConfig`'s checks and what it derives (tree, k, window, n-gram table), and the
+"""`specjax.methods.config`: `SpecConfig`'s checks and what it derives (tree, k, window, n-gram table), and the
 `--tree` flag's parser."""
 
 import pytest
 
-from specjax.config import MAX_K, TREES, SpecConfig, parse_tree
-from specjax.ngram_table import TableConfig
+from specjax.methods.config import MAX_K, TREES, SpecConfig, parse_tree
+from specjax.core.ngram_table import TableConfig
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from specjax.config import SpecConfig
-from specjax.controller import (PLAIN, Controller, ControllerConfig, CostModel, expected_tokens,
+from specjax.methods.config import SpecConfig
+from specjax.serving.controller import (PLAIN, Controller, ControllerConfig, CostModel, expected_tokens,
                                 expected_tokens_rates, position_counts)
 
 

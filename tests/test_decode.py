@@ -7,10 +7,10 @@ import pytest
 from conftest import padded_logits
 from scipy import stats
 
-from specjax import sampling
-from specjax.engine import Engine, GenerateOptions
-from specjax.sampling import Sample, SamplingParams
-from specjax.config import SpecConfig
+from specjax.core import sampling
+from specjax.serving.engine import Engine, GenerateOptions
+from specjax.core.sampling import Sample, SamplingParams
+from specjax.methods.config import SpecConfig
 
 BUCKETS = (8, 16)
 REF_LEN = 32  # the naive reference pads every sequence to this length: one compile
@@ -374,7 +374,7 @@ def test_generate_tokenizes_each_prompt_once(tiny_model):
 def test_generate_builds_the_proposer_once(tiny_model, monkeypatch):
     """One `Engine.generate` call builds its proposer once (validation included), however many
     batches it runs."""
-    from specjax.proposers import registry
+    from specjax.methods import registry
 
     calls = []
     build = registry.build

@@ -8,13 +8,13 @@ import pytest
 from conftest import padded_logits
 from flax import nnx
 
-from specjax import tree as tree_lib
-from specjax.config import SpecConfig
-from specjax.core import Decoder, Inputs
-from specjax.engine import Engine
+from specjax.core import tree as tree_lib
+from specjax.methods.config import SpecConfig
+from specjax.core.decoder import Decoder, Inputs
+from specjax.serving.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.proposers.eagle import EagleProposer
+from specjax.methods.eagle.proposer import EagleProposer
 from specjax.train_heads import eagle as train
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
@@ -90,7 +90,7 @@ def dynamic_tree(tiny_model, head, ids, spec, prompts):
 def test_dynamic_tree_mask_equals_a_forward_over_each_path(tiny_model, trained):
     """Every node of the tree built on device sees the committed prefix and its ancestors only:
     its verify logits equal a causal forward over prefix + path."""
-    from specjax.core import verify
+    from specjax.core.decoder import verify
 
     head, ids = trained
     dec, state, drafts = dynamic_tree(tiny_model, head, ids, dict(k=3, nodes=10, topk=3), PROMPTS[:2])
@@ -201,7 +201,7 @@ def test_a_broken_rule_with_the_eagle_chain_is_detected():
     """The chi-square test has power here too: the same EAGLE chain with the rejection rule broken
     (resample from p) is rejected, with the library's rule accepted above."""
     import test_lossless as tl
-    from specjax.core import generate, new_tokens
+    from specjax.core.decoder import generate, new_tokens
 
     target = loader.init_model(tl.CONFIG, seed=0)
     head = EagleHead(EagleConfig.for_model(tl.CONFIG, draft_vocab=tl.V), rngs=nnx.Rngs(3))

@@ -160,8 +160,8 @@ def test_conversation_encoding_masks_assistant_text(smollm2):
     (["--b2", "1.5"], "b2"),
 ])
 def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
-    from specjax import cli
-    from specjax.engine import Engine
+    from specjax.cli import commands as cli
+    from specjax.serving.engine import Engine
 
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
     assert cli.main(["train-heads", "--kind", "eagle", "--out", str(tmp_path), *argv]) == 2
@@ -186,8 +186,8 @@ def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model
 def test_cli_fused_features_default_their_layers_from_the_model(tmp_path, monkeypatch):
     """Without --feature-layers, `--features fused` passes the checks and takes 2, L/2, L-3 of the
     loaded model (EagleConfig.for_model), so the run reaches the model load."""
-    from specjax import cli
-    from specjax.engine import Engine
+    from specjax.cli import commands as cli
+    from specjax.serving.engine import Engine
 
     class Loaded(Exception):
         pass

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.engine import Engine
+from specjax.serving.engine import Engine
 from specjax.models import eagle_io, heads_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads

@@ -215,7 +215,7 @@ def test_medusa_reads_an_untied_nk_head(subset):
     """Medusa's shared LM head (full or a vocabulary subset) on an untied "nk" target proposes from
     the same logits as on "kn"."""
     from specjax.models.heads import HeadsConfig, MedusaHeads
-    from specjax.proposers.medusa import MedusaProposer
+    from specjax.methods.medusa.proposer import MedusaProposer
 
     kn, nk = _pair(tie_embeddings=False)
     hidden = jax.random.normal(jax.random.key(4), (2, kn.config.dim), jnp.float32)

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from specjax.models import gguf_loader, hf_loader, linear, loader, registry
+from specjax.models import gguf_loader, hf_loader, linear, loader, catalog
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import GGUFError
 from specjax.models.kv_cache import KVCache
@@ -428,5 +428,5 @@ def test_model_from_weights_casts_to_param_dtype(sources):
 
 
 def test_unknown_model_name():
-    with pytest.raises(registry.ModelNotFoundError, match="unknown model 'no-such-model'.*smollm2-135m"):
+    with pytest.raises(catalog.ModelNotFoundError, match="unknown model 'no-such-model'.*smollm2-135m"):
         loader.load("no-such-model")

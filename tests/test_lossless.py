@@ -16,14 +16,15 @@ from flax import nnx
 from conftest import full_logits
 from scipy import stats
 
-from specjax import acceptance, sampling
-from specjax.core import Decoder, Inputs, new_tokens
-from specjax.core import generate as specjax_generate
-from specjax.config import SpecConfig
-from specjax.engine import Engine, GenerateOptions
+from specjax.core import acceptance
+from specjax.core import sampling
+from specjax.core.decoder import Decoder, Inputs, new_tokens
+from specjax.core.decoder import generate as specjax_generate
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 V = 16
 CONFIG = model_config.preset("tiny", vocab_size=V, num_layers=1)
@@ -151,7 +152,7 @@ def test_draft_equal_to_target_accepts_everything(eng, target, monkeypatch):
 def _through_scheduler(eng, n, *, stream=None):
     """`n` requests of PROMPT through a Scheduler (draft model, K drafts): rows enter by its insert
     path, several per chunk, each on the stream of its request id (or all on `stream`)."""
-    from specjax.scheduler import Scheduler
+    from specjax.serving.scheduler import Scheduler
 
     s = Scheduler(eng, slots=64, spec=SpecConfig(method="draft", k=K), chunk=2, max_prompt_tokens=len(PROMPT),
                   opts=GenerateOptions(max_new_tokens=NEW, seed=17, **SETTINGS["t1.0"]))

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import acceptance
-from specjax import tree as tree_lib
-from specjax.config import TREES, SpecConfig
-from specjax.engine import Engine
+from specjax.core import acceptance
+from specjax.core import tree as tree_lib
+from specjax.methods.config import TREES, SpecConfig
+from specjax.serving.engine import Engine
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
-from specjax.proposers.base import Stateless
-from specjax.sampling import Greedy, SamplingParams
+from specjax.core.proposer import Stateless
+from specjax.core.sampling import Greedy, SamplingParams
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
@@ -257,7 +257,7 @@ def test_vocab_subset_heads_propose_only_subset_tokens(tiny_model, ref):
 
 
 def e_opts():
-    from specjax.engine import GenerateOptions
+    from specjax.serving.engine import GenerateOptions
 
     return GenerateOptions(max_new_tokens=M)
 

@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int
 
 from specjax import sharding
-from specjax.config import SpecConfig
-from specjax.engine import Engine
-from specjax.proposers import registry
-from specjax.proposers.base import Stateless
-from specjax.state import last_tokens
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
+from specjax.methods import registry
+from specjax.core.proposer import Stateless
+from specjax.core.state import last_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5], [40, 41, 42, 43], list(range(1, 20))]
@@ -106,13 +106,13 @@ def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
     import numpy as np
     from flax import nnx
 
-    from specjax import tree
-    from specjax.core import Decoder
+    from specjax.core import tree
+    from specjax.core.decoder import Decoder
     from specjax.models import config as model_config
     from specjax.models import loader
     from specjax.models.eagle import EagleConfig, EagleHead
     from specjax.models.heads import HeadsConfig, MedusaHeads
-    from specjax.proposers.base import Proposer
+    from specjax.core.proposer import Proposer
 
     eng = Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1),
                  heads=MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
@@ -134,7 +134,7 @@ def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
 
 
 def test_a_proposer_without_the_protocol_is_refused():
-    from specjax.core import Decoder
+    from specjax.core.decoder import Decoder
 
     @dataclasses.dataclass(frozen=True)
     class Bare:  # propose alone: no topology, taps, init, reconcile

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import ngram_table
-from specjax.config import SpecConfig
-from specjax.engine import Engine, GenerateOptions
-from specjax.ngram_table import NgramTable, TableConfig
-from specjax.scheduler import Scheduler
+from specjax.core import ngram_table
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine, GenerateOptions
+from specjax.core.ngram_table import NgramTable, TableConfig
+from specjax.serving.scheduler import Scheduler
 
 add = jax.jit(ngram_table.add, static_argnames="width_new")
 lookup = jax.jit(ngram_table.lookup, static_argnames="k")

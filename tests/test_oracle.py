@@ -14,7 +14,7 @@ import pytest
 from conftest import need_module
 from flax import nnx
 
-from specjax.engine import Engine
+from specjax.serving.engine import Engine
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
 

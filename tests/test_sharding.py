@@ -24,13 +24,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax
 from specjax import sharding
-from specjax.config import SpecConfig
-from specjax.core import Decoder, Inputs, new_tokens
-from specjax.engine import Engine, GenerateOptions
+from specjax.methods.config import SpecConfig
+from specjax.core.decoder import Decoder, Inputs, new_tokens
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.models.kv_cache import KVCache
-from specjax.sampling import SamplingParams, filtered_logits
+from specjax.core.sampling import SamplingParams, filtered_logits
 
 # The suite runs on 2 fake CPU devices (conftest); this module needs 8 and runs in a process of its own
 # (tests/test_mesh_process.py starts it). Eight devices for the whole suite deadlocked XLA:CPU's
@@ -254,9 +254,9 @@ def test_single_device_programs_carry_no_sharding(assets):
     target = assets[0]
     eng = Engine(target)
     b = eng.start(PROMPTS[:2], GenerateOptions(max_new_tokens=4), spec=METHODS["ngram"])
-    from specjax import core
+    from specjax.core.decoder import prefill_program
 
-    text = core.prefill_program.lower(eng.graphdef, eng.params, b.pparams, b.inputs,
+    text = prefill_program.lower(eng.graphdef, eng.params, b.pparams, b.inputs,
                                       static=b.decoder).as_text()
     # jax's own PRNG lowering pins key data to the empty mesh; nothing else is annotated
     assert all("@empty_mesh" in line for line in text.splitlines() if "sharding" in line)
@@ -382,8 +382,8 @@ SCHED = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto"
 def _serve(eng, spec, costs=None):
     """Six requests through 4 slots in chunks of 3, batch sizes 2 and 4 (rows packed, a chunk on the
     first rows: take / put), one request cancelled while it runs; every compile happens in prepare."""
-    from specjax.controller import ControllerConfig
-    from specjax.scheduler import Scheduler
+    from specjax.serving.controller import ControllerConfig
+    from specjax.serving.scheduler import Scheduler
 
     s = Scheduler(eng, slots=4, spec=spec, opts=GenerateOptions(max_new_tokens=16), chunk=3,
                   max_prompt_tokens=32, batch_sizes=(2,), costs=costs,
@@ -521,7 +521,7 @@ def test_device_script_runs_on_cpu(tmp_path):
 def test_cli_mesh_and_distributed_flags(monkeypatch, capsys):
     """`--distributed` initializes jax.distributed before anything else; a bad `--mesh` is one clear
     error before the model loads."""
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))

@@ -1,4 +1,4 @@
-"""Slot operations (specjax.slots): insert, release, move, take / put and the host view, on one device.
+"""Slot operations (specjax.core.slots): insert, release, move, take / put and the host view, on one device.
 
 The scheduler's end-to-end checks (every request gets its batch-of-one tokens, on one device and on an
 8-device mesh) are in test_scheduler.py and test_sharding.py; these pin each operation alone."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import slots as slot_ops
-from specjax.core import Decoder, Inputs, State, Stats, decode_program
-from specjax.proposers.ngram import NgramProposer
-from specjax.slots import Slots
+from specjax.core import slots as slot_ops
+from specjax.core.decoder import Decoder, Inputs, State, Stats, decode_program
+from specjax.methods.ngram.proposer import NgramProposer
+from specjax.core.slots import Slots
 
 S = 64
 
@@ -136,8 +136,8 @@ def test_running_batch_rows_equal_each_request_alone_and_nothing_compiles_after_
     tokens are its batch-of-one generation, and no operation compiles after the constructor and
     `compile_insert`."""
     import specjax
-    from specjax.engine import Engine
-    from specjax.slots import RunningBatch
+    from specjax.serving.engine import Engine
+    from specjax.core.slots import RunningBatch
 
     eng = Engine(tiny_model)
     rb = RunningBatch(ops, params=eng.params, pparams=(None,), compile=eng.program,

@@ -13,17 +13,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.core import verify
-from specjax.config import SpecConfig
-from specjax.engine import Engine, GenerateOptions
+from specjax.core.decoder import verify
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.kv_cache import KVCache
-from specjax.proposers import DraftModelProposer, NgramProposer, ngram
-from specjax.proposers.base import Stateless
-from specjax.sampling import Greedy, Sample, SamplingParams
-from specjax.state import DecodeState, Shared
-from specjax.tree import chain_topology
+from specjax.methods import DraftModelProposer, NgramProposer
+from specjax.methods.ngram import proposer as ngram
+from specjax.core.proposer import Stateless
+from specjax.core.sampling import Greedy, Sample, SamplingParams
+from specjax.core.state import DecodeState, Shared
+from specjax.core.tree import chain_topology
 
 PROMPTS = [
     [5, 9, 12, 5, 9, 12, 5, 9],  # repeats: prompt lookup finds matches

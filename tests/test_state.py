@@ -1,4 +1,4 @@
-"""`specjax.state`: the decode state's commits (stop tokens, budget, cache room), per-row keys, and the
+"""`specjax.core.state`: the decode state's commits (stop tokens, budget, cache room), per-row keys, and the
 row moves continuous batching makes (`rows_map`, `insert_row`)."""
 
 import jax
@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.kv_cache import KVCache
-from specjax.ngram_table import NgramTable, TableConfig
-from specjax.sampling import SamplingParams
-from specjax.state import DecodeState, Shared, insert_row, learn, rows_map, step_keys
-from specjax.state import commit as _commit
+from specjax.core.ngram_table import NgramTable, TableConfig
+from specjax.core.sampling import SamplingParams
+from specjax.core.state import DecodeState, Shared, insert_row, learn, rows_map, step_keys
+from specjax.core.state import commit as _commit
 
 commit = jax.jit(_commit, static_argnames="window")
 

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.config import SpecConfig
-from specjax.core import row_keys
-from specjax.engine import Engine, GenerateOptions
+from specjax.methods.config import SpecConfig
+from specjax.core.decoder import row_keys
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models.kv_cache import KVCache
-from specjax.scheduler import Scheduler
+from specjax.serving.scheduler import Scheduler
 
 PROMPT = [5, 9, 12, 5, 9, 12, 5, 9]
 ROWS = 16

@@ -170,8 +170,8 @@ def _smollm2_path() -> pathlib.Path | None:
     if env := os.environ.get("SPECJAX_SMOLLM2_GGUF"):
         return pathlib.Path(env)
     try:
-        from specjax.models import registry
-        return pathlib.Path(registry.resolve("smollm2-135m"))
+        from specjax.models import catalog
+        return pathlib.Path(catalog.resolve("smollm2-135m"))
     # No registry module yet, or the download failed (its ModelNotFoundError is a ValueError).
     except (ImportError, AttributeError, OSError, ValueError):
         return _SMOLLM2_FALLBACK if _SMOLLM2_FALLBACK.is_file() else None

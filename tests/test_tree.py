@@ -1,11 +1,11 @@
-"""`specjax.tree`: a tree's static topology, the checks on its paths, the traced `Window` of a dynamic
+"""`specjax.core.tree`: a tree's static topology, the checks on its paths, the traced `Window` of a dynamic
 tree, and the move of an accepted path's K/V to consecutive cache slots (`compact`)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import tree as tree_lib
+from specjax.core import tree as tree_lib
 from specjax.models.kv_cache import KVCache
 
 TREE = ((0,), (1,), (0, 0), (1, 0), (1, 1))  # slots 1..5; 3 under 1, 4 and 5 under 2

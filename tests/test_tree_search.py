@@ -4,8 +4,8 @@ import itertools
 
 import numpy as np
 
-from specjax.config import validate_tree
-from specjax.tree_search import best_tree, choose_tree, expected_tau
+from specjax.methods.config import validate_tree
+from specjax.methods.tree_search import best_tree, choose_tree, expected_tau
 
 ACC = np.array([[0.6, 0.15, 0.05], [0.4, 0.1, 0.05], [0.3, 0.1, 0.02]])
 

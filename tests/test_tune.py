@@ -35,7 +35,7 @@ def test_rank_accuracy_matches_a_direct_count(tiny_model):
 
 
 def test_tune_heads_cli_rejects_a_directory_without_heads(tmp_path, capsys):
-    from specjax import cli
+    from specjax.cli import commands as cli
 
     assert cli.main(["tune-heads", "--heads", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err

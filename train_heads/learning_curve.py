@@ -34,7 +34,7 @@ def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=51
 
     out = pathlib.Path(out)
     if isinstance(model, (str, pathlib.Path)):
-        from specjax.engine import Engine
+        from specjax.serving.engine import Engine
 
         engine = Engine.load(str(model))
     else:
@@ -80,10 +80,10 @@ def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=51
 
 def bench(out_json, prompts_file, heads, *, per_task=2, k=3, max_new_tokens=128, model="smollm2-135m",
           log=print) -> dict:
-    from specjax import bench as b
-    from specjax.config import SpecConfig
-    from specjax.engine import Engine, GenerateOptions
-    from specjax.prompts import read_prompts
+    from specjax.bench import offline as b
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine, GenerateOptions
+    from specjax.bench.prompts import read_prompts
 
     engine = Engine.load(model)
     prompts = read_prompts(prompts_file, per_task=per_task)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 import time
@@ -318,7 +317,7 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
     Returns:
       The manifest saved with the heads (its `metrics` hold the held-out accuracies).
     """
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
     from specjax.train_heads import data
 
     if not 0 < eval_conversations < conversations:

@@ -5,7 +5,7 @@ Writes two optional files beside the heads, which `Engine.load_heads` picks up:
   responses. Projecting onto them instead of the whole vocabulary makes a proposal several times
   cheaper; a token outside the subset is simply never drafted (acceptance stays exact).
 - `tree.json`: the candidate tree with the best expected speed, from the heads' held-out accuracy
-  by rank and the verify cost by window size measured here (`specjax.tree_search`).
+  by rank and the verify cost by window size measured here (`specjax.methods.tree_search`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import tree_search
+from specjax.methods import tree_search
 from specjax.train_heads.data import TokenData
 
 
@@ -75,10 +75,10 @@ def step_costs(engine, windows=(1, 2, 3, 5, 9, 17, 33), *, vocab: np.ndarray | N
     A Medusa step is one target forward over the window plus the heads' projection; the latter is
     measured once and added to every window above 1.
     """
-    from specjax import bench
-    from specjax.config import SpecConfig
+    from specjax.bench import offline
+    from specjax.methods.config import SpecConfig
 
-    fwd = bench.window_costs(engine.model, windows=windows)
+    fwd = offline.window_costs(engine.model, windows=windows)
     prop, params = engine.proposer(SpecConfig(method="medusa", k=engine.heads.module.config.num_heads))
     hidden = jnp.zeros((1, engine.config.dim), jnp.float32)
     tokens = jnp.zeros((1,), jnp.int32)
@@ -92,7 +92,7 @@ def tune(heads_dir: str | pathlib.Path, model: str = "smollm2-135m", *, vocab_si
 
     Returns a summary (accuracy by rank, subset coverage, costs, the tree and its expected speed).
     """
-    from specjax.engine import Engine
+    from specjax.serving.engine import Engine
     from specjax.train_heads import data
 
     heads_dir = pathlib.Path(heads_dir)

@@ -41,7 +41,7 @@ def held_out_prompts(head_manifest: dict, n: int) -> list[str]:
 
 def measure(engine, prompts: list[str], specs: dict, *, max_new_tokens: int, repeats: int = 1) -> dict:
     """tok/s and tau of each spec on `prompts` (plain included as "none"), interleaved per prompt."""
-    from specjax.config import SpecConfig
+    from specjax.methods.config import SpecConfig
 
     specs = {"none": SpecConfig(), **specs}
     for s in specs.values():  # compile outside the timing
@@ -64,8 +64,8 @@ def measure(engine, prompts: list[str], specs: dict, *, max_new_tokens: int, rep
 def tune(eagle_dir: str | pathlib.Path, model: str = "smollm2-135m", *, prompts: int = 6,
          max_new_tokens: int = 96, log=print) -> dict:
     """Measures the candidates and writes `tuning.json` beside the head; returns what it wrote."""
-    from specjax.config import SpecConfig
-    from specjax.engine import Engine
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine
 
     eagle_dir = pathlib.Path(eagle_dir)
     (eagle_dir / TUNING).unlink(missing_ok=True)

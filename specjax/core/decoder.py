@@ -1,0 +1,457 @@
+"""The functional core: `Decoder`, a static description of a decoding program, and its pure functions.
+
+Everything that shapes the program (proposer, acceptance rule, sampling method, window, cache
+length, the device mesh) lives on the frozen, hashable `Decoder`; everything that only changes values (prompts and
+their lengths, max_new_tokens, temperature, top-k, top-p, stop ids, keys) is an array in `Inputs`
+and then in the loop carry. Each method is a pure function you may wrap in your own `jax.jit`
+(with your shardings and donation):
+
+```python
+graphdef, params = nnx.split(model)
+
+@jax.jit
+def run(params, inputs):
+    model = nnx.merge(graphdef, params)
+    state = decoder.prefill(model, pparams, inputs)
+    return decoder.decode(model, pparams, state)
+```
+
+One speculative step reads as the algorithm does, for chains and trees alike:
+
+```
+nodes, q = propose(...)                  # [B, K] drafted tokens (+ q [B, K, V] when sampled)
+out = verify(target, state, nodes)       # one target pass over the window (tree mask)
+acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
+state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
+state = learn(before, state)             # the batch's shared n-gram table reads what was committed
+pstate = proposer.reconcile(out, acc)    # e.g. a draft cache or the hidden state at the leaf
+```
+
+Random streams are per row: row keys come from the seed and the row's global index
+(`row_keys`), and each step folds in the row's own position, so a row's sample depends on
+neither its batch neighbours nor the batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Int, PyTree
+
+from specjax import sharding
+from specjax.core import acceptance
+from specjax.core import sampling
+from specjax.core import tree
+from specjax.core.proposer import Proposer
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import Llama, Output
+from specjax.core.ngram_table import NgramTable, TableConfig
+from specjax.core.sampling import Sampling, SamplingParams
+from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn,
+                           step_keys, tick)
+
+MAX_STOP_IDS = 8
+RUN_TO_END = np.iinfo(np.int32).max
+
+
+def proposer_topology(proposer: Proposer) -> tree.Topology | tree.DynamicTopology:
+    """The verify window a proposer drafts (its declared `Proposer.topology`): its static tree (a
+    chain of K for chain proposers), or the node budget of a tree it builds each step
+    (`tree.DynamicTopology`)."""
+    return proposer.topology
+
+
+def window_of(proposer) -> int:
+    """Tokens the target sees per step with this proposer (its tree's width, the root included)."""
+    return proposer_topology(proposer).width
+
+
+def round_up_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (int(n) - 1).bit_length())
+
+
+def cache_length(prompt_bucket: int, max_new_tokens: int, window: int) -> int:
+    """Cache slots for a batch: its prompt bucket, max_new_tokens rounded up to a power of two
+    (so budgets up to the same power share one program), and one window of headroom."""
+    return int(prompt_bucket) + round_up_pow2(max_new_tokens) + int(window)
+
+
+def row_keys(seed: int | Sequence[int], row_ids: Sequence[int]) -> Array:
+    """One PRNG key per row: `fold_in(key(seed), row_id)`. Distinct ids never share a stream."""
+    seeds = np.broadcast_to(np.asarray(seed, np.uint32), (len(row_ids),))
+    ids = np.asarray(row_ids, np.uint32)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, ids)
+
+
+def _per_row(value, n: int, name: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: give one, or one per prompt")
+    return values
+
+
+@struct.dataclass
+class Inputs:
+    """Per-row inputs of a batch: all arrays, so new values never recompile."""
+
+    prompts: Int[Array, "B P"]  # right-padded to the bucket P
+    prompt_lengths: Int[Array, "B"]
+    max_new: Int[Array, "B"]
+    sampling: SamplingParams
+    stop_ids: Int[Array, "B E"]  # padded with -1
+    keys: Array  # [B] PRNG keys
+    contribute: Bool[Array, "B"]  # the row's text may enter a cross-request n-gram table
+    tenant: Int[Array, "B"] | None = None  # the row's scope of that table (see specjax.core.ngram_table)
+
+    @classmethod
+    def create(cls, prompts: Sequence, *, bucket: int | None = None,  # Sequence[Sequence[int]], checked here
+               batch_size=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
+               stop_ids: Sequence = (), seed=0, row_ids: Sequence | None = None, contribute=True,
+               tenant=0) -> "Inputs":
+        """Pads token-id prompts into a batch.
+
+        Args:
+          prompts: token ids per row.
+          bucket: padded prompt length P (default: the longest prompt).
+          batch_size: rows B (default: one per prompt); extra rows repeat prompt 0 with a budget
+            of one token, so they finish at once.
+          max_new_tokens, temperature, top_k, top_p: one value, or one per prompt.
+          stop_ids: tokens that end a row (kept in its output), at most `MAX_STOP_IDS`.
+          seed, row_ids: row r's key is `fold_in(key(seed), row_ids[r])`; row ids default to
+            0..B-1. Give each row its global index (or request id) so that no two rows of any
+            batch share a random stream.
+          contribute: whether each row's text may enter a cross-request n-gram table.
+          tenant: each row's scope of that table: a row reads only what rows of its tenant wrote.
+        """
+        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
+                                                    for p in prompts):
+            raise ValueError("Inputs.create takes token ids: pass a list of prompts, each a list of ints, "
+                             "e.g. [[1, 2, 3]] (tokenize text first, or use Engine.generate([\"text\"]))")
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("no prompts given")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt is empty: give at least one token")
+        if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size}: must be an integer >= 1 (or None: one row per prompt)")
+        b = n if batch_size is None else int(batch_size)
+        if b < n:
+            raise ValueError(f"{n} prompts for batch_size={b}: split them")
+        p = max(len(x) for x in prompts) if bucket is None else int(bucket)
+        if max(len(x) for x in prompts) > p:
+            raise ValueError(f"a prompt of {max(len(x) for x in prompts)} tokens exceeds the bucket of {p}")
+        stops = tuple(stop_ids)
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
+        per_row = {name: _per_row(v, n, name) for name, v in
+                   dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, contribute=contribute, tenant=tenant).items()}
+        for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
+            sampling.validate(t, k, tp)
+        for s in np.ravel(seed):
+            if int(s) != s or not 0 <= s < 2 ** 32:
+                raise ValueError(f"seed={s}: must be an integer in [0, 2**32)")
+        for t in per_row["tenant"]:
+            if int(t) != t or not 0 <= t < 2 ** 31:
+                raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
+        if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be integers >= 1")
+        pad = b - n
+        rows = list(prompts) + [prompts[0]] * pad
+        tokens = np.zeros((b, p), np.int32)
+        for r, x in enumerate(rows):
+            tokens[r, : len(x)] = x
+        if (tokens < 0).any():
+            raise ValueError(f"prompt {int(np.argmax((tokens < 0).any(axis=1)))} has a negative token id: "
+                             "token ids lie in [0, vocab_size)")
+        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        stop[:, : len(stops)] = stops
+        fill = lambda name, pad_value: np.asarray(per_row[name] + [pad_value] * pad)
+        ids = list(range(b)) if row_ids is None else list(row_ids)
+        if len(ids) < b:  # padding rows continue the ids
+            ids += [max(ids) + 1 + i for i in range(b - len(ids))]
+        return cls(
+            prompts=jnp.asarray(tokens), prompt_lengths=jnp.asarray([len(x) for x in rows], jnp.int32),
+            max_new=jnp.asarray(fill("max_new_tokens", 1), jnp.int32),
+            sampling=SamplingParams(temperature=jnp.asarray(fill("temperature", 0.0), jnp.float32),
+                                    top_k=jnp.asarray(fill("top_k", 0), jnp.int32),
+                                    top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
+            stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]),
+            contribute=jnp.asarray(fill("contribute", False), bool),
+            tenant=jnp.asarray(fill("tenant", 0), jnp.int32))
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts.shape[0]
+
+
+@struct.dataclass
+class Stats:
+    """Per-row speculation counters, on device (`specjax.telemetry.SpecCounters` on the host)."""
+
+    drafted: Int[AnyArray, "B"]  # draft tokens verified (a tree counts every node)
+    accepted: Int[AnyArray, "B"]
+    accepted_per_position: Int[AnyArray, "B A"]  # how often the draft at depth j + 1 was kept
+    accept_hist: Int[AnyArray, "B A+1"]  # how often a step kept exactly n drafts
+
+    @classmethod
+    def zeros(cls, batch: int, depth: int) -> "Stats":
+        z = lambda *s: jnp.zeros(s, jnp.int32)
+        return cls(drafted=z(batch), accepted=z(batch), accepted_per_position=z(batch, depth),
+                   accept_hist=z(batch, depth + 1))
+
+    def update(self, active, n, nodes: int) -> "Stats":
+        depth = self.accepted_per_position.shape[1]
+        a = active.astype(jnp.int32)
+        kept = n * a
+        return Stats(
+            drafted=self.drafted + nodes * a,
+            accepted=self.accepted + kept,
+            accepted_per_position=self.accepted_per_position
+            + (jnp.arange(depth)[None] < kept[:, None]).astype(jnp.int32),
+            accept_hist=self.accept_hist + jax.nn.one_hot(n, depth + 1, dtype=jnp.int32) * a[:, None],
+        )
+
+
+@struct.dataclass
+class State:
+    """The loop carry: committed tokens and cache, the proposer's own state, the counters."""
+
+    decode: DecodeState
+    proposer: Any
+    stats: Stats
+
+
+def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology,
+           taps: tuple[int, ...] = ()) -> Output:
+    """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
+
+    A chain's window mask is the causal one; a tree's lets each node see only its ancestors.
+    `taps`: layers whose input the output also carries (for a proposer that reads them).
+    """
+    window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+    start = state.lengths - 1
+    if topo.is_chain:
+        positions = start[:, None] + jnp.arange(window.shape[1], dtype=jnp.int32)[None, :]
+        return target(window, positions, state.cache, taps=taps)
+    depth, mask = tree.batched(topo, window.shape[0])  # a static tree, or one per row (dynamic)
+    positions = start[:, None] + depth.astype(jnp.int32)
+    return target(window, positions, state.cache, start=start, window_mask=mask, taps=taps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decoder:
+    """Everything that shapes a decoding program; hashable, so it can be a static jit argument.
+
+    Attributes:
+      cache_length: KV cache slots S per row (see `cache_length`); a row is done once another
+        window would not fit.
+      proposer: a draft proposer (a `specjax.methods.Proposer`), or None for the plain loop.
+      acceptance: the acceptance rule (`specjax.core.acceptance`); None picks the lossless default for
+        the sampling method and the window's shape (`acceptance.default_rule`).
+      sampling: `sampling.Greedy()` (argmax) or `sampling.Sample()` (per-row temperature / top-k /
+        top-p; rows at temperature 0 stay greedy), or their names "greedy" / "sample".
+      ngram_table: a cross-request n-gram table in the state (`specjax.core.ngram_table`): every
+        commit writes to it and prompt lookup reads it when a row's own context has no match.
+      mesh: the device mesh the programs run on (`specjax.sharding.make_mesh`), or None for one
+        device. The methods trace for it (`sharding.use`): the carry, the model's activations and
+        top-k are laid out by the logical-axis rules on this mesh, whatever `jax.set_mesh` says.
+    """
+
+    cache_length: int
+    proposer: Proposer | None = None
+    acceptance: Any = None
+    sampling: Sampling | str = sampling.Greedy()
+    ngram_table: TableConfig | None = None
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        sharding.check_mesh(self.mesh)
+        if self.proposer is not None and not isinstance(self.proposer, Proposer):
+            raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
+                            "taps, init, propose and reconcile (specjax.core.proposer)")
+        object.__setattr__(self, "sampling", sampling.method(self.sampling))
+        if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
+            raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
+                             f"({self.window}); see specjax.core.decoder.cache_length")
+        if self.proposer is None:
+            if self.acceptance is not None:
+                raise ValueError("an acceptance rule needs a proposer: the plain loop accepts nothing")
+            return
+        if self.acceptance is None:
+            object.__setattr__(self, "acceptance", acceptance.default_rule(self.sampling, self.topology))
+        if getattr(self.acceptance, "needs_chain", False) and not self.topology.is_chain:
+            raise ValueError(f"{type(self.acceptance).__name__} verifies chains only; this proposer "
+                             "drafts a tree: use acceptance.SpecInfer() (lossless) or Greedy()")
+
+    @property
+    def topology(self) -> tree.Topology | tree.DynamicTopology:
+        """The verify window: the proposer's tree (a chain of K for chain proposers), or the node
+        budget of a tree the proposer builds each step (`tree.DynamicTopology`)."""
+        return tree.topology(()) if self.proposer is None else proposer_topology(self.proposer)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose input the proposer reads (an EAGLE-3 head's fused features)."""
+        return () if self.proposer is None else tuple(self.proposer.taps)
+
+    @property
+    def window(self) -> int:
+        """Tokens the target sees per step (1 for the plain loop)."""
+        return self.topology.width
+
+    @property
+    def depth(self) -> int:
+        """The most drafts one step can accept (0 for the plain loop)."""
+        return self.topology.max_depth
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
+        """Runs the prompts through the target and commits the first new token of each row.
+
+        Pad slots past a row's prompt are written to the cache but never attended: they lie after
+        the row's query positions and are overwritten as the row generates. Returns the state and
+        the features the proposer reads at every prompt position: the final hidden states
+        `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
+        """
+        with sharding.use(self.mesh):
+            return self._prefill_target(model, inputs)
+
+    def _prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
+        b, p = inputs.prompts.shape
+        if p + self.window > self.cache_length:
+            raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
+                             f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
+        cache = KVCache.zeros(model.config, b, self.cache_length)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps)
+        last = jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)
+        logits = model.logits(last)[:, 0]
+        tokens = jnp.zeros((b, self.cache_length), jnp.int32).at[:, :p].set(inputs.prompts)
+        state = DecodeState(
+            tokens=tokens, lengths=inputs.prompt_lengths.astype(jnp.int32),
+            prompt_lengths=inputs.prompt_lengths.astype(jnp.int32), max_new=inputs.max_new.astype(jnp.int32),
+            done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
+            keys=inputs.keys, row_forwards=jnp.zeros((b,), jnp.int32),
+            shared=Shared(forwards=jnp.zeros((), jnp.int32),
+                          table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table)),
+            contribute=inputs.contribute, tenant=inputs.tenant)
+        first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
+        state = learn(state, commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0], 1)
+        return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
+
+    def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
+        """The proposer's state after the prefill (None for the plain loop)."""
+        if self.proposer is None:
+            return None
+        with sharding.use(self.mesh):
+            return self.proposer.init(pparams, state, inputs, hidden)
+
+    def prefill(self, model: Llama, pparams, inputs: Inputs) -> State:
+        """Prefills the batch and sets up the proposer: the state `decode` continues from."""
+        state, hidden = self.prefill_target(model, inputs)
+        state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
+                      stats=Stats.zeros(inputs.batch_size, self.depth))
+        return sharding.constrain_carry(state, self.mesh)  # the loop's layout (a no-op without a mesh)
+
+    def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
+        """`state` with row `slot` replaced by the batch-of-one `row` (same cache length): the
+        functional API's continuous batching (the scheduler uses `specjax.core.slots.Slots.insert`)."""
+        return insert_row(state, row, slot)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def step(self, model: Llama, pparams, s: State) -> State:
+        """One target forward: a plain step, or propose -> verify -> accept -> commit."""
+        with sharding.use(self.mesh):
+            return self._step(model, pparams, s)
+
+    def _step(self, model: Llama, pparams, s: State) -> State:
+        if self.proposer is None:
+            return dataclasses.replace(s, decode=plain_step(model, self.sampling, s.decode))
+        state, topo = s.decode, self.topology
+        nodes, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
+                                                 step_keys(state, salt=1))
+        if isinstance(nodes, tree.DraftTree):  # a tree built this step: its shape is traced
+            nodes, topo = nodes.tokens, nodes.window
+        out = verify(model, state, nodes, topo, self.taps)
+        acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
+                                     state.sampling, topo)
+        active = ~state.done
+        state = learn(state, commit_path(state, out.cache, nodes, acc, topo), self.depth + 1)
+        pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
+        return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes))
+
+    def decode(self, model: Llama, pparams, state: State, stop_at: Int[Array, ""] | None = None) -> State:
+        """Steps until every row is done or the batch's step counter reaches `stop_at`.
+
+        `stop_at` is an array, so streaming in chunks (`forwards + chunk`) reuses the one compiled
+        program that also runs to the end (None).
+        """
+        stop_at = jnp.asarray(RUN_TO_END if stop_at is None else stop_at, jnp.int32)
+        cond = lambda s: jnp.any(~s.decode.done) & (s.decode.forwards < stop_at)
+        with sharding.use(self.mesh):
+            body = lambda s: sharding.constrain_carry(self._step(model, pparams, s), self.mesh)  # keeps its layout
+            return jax.lax.while_loop(cond, body, sharding.constrain_carry(state, self.mesh))
+
+
+def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> DecodeState:
+    """The plain loop's step, the oracle of every speculative path: feed the pending token, sample
+    the next one, commit it."""
+    pos = state.lengths - 1
+    out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
+    nxt = sampling_config.draw(step_keys(state), out.logits[:, 0], state.sampling)
+    new = commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0]
+    return learn(state, new, 1)
+
+
+# ---- jitted programs (what the hosts compile) ----------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+def prefill_program(graphdef, params, pparams, inputs: Inputs, *, static: Decoder) -> State:
+    """`static.prefill`, jitted: `static` is the Decoder (everything that shapes the program)."""
+    return static.prefill(nnx.merge(graphdef, params), pparams, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def decode_program(graphdef, params, pparams, state: State, stop_at, *, static: Decoder) -> State:
+    """`static.decode`, jitted, the carry donated."""
+    return static.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
+
+
+def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
+    """Prefill and decode to the end with the jitted programs; returns the final state.
+
+    Read the text back with `new_tokens(state, mesh)`. Calls with the same decoder and shapes reuse
+    the compiled programs. On a mesh (`decoder.mesh`, or `mesh` here for a decoder without one) the
+    model, the proposer's params and the inputs are placed on it by their logical axes and the
+    programs trace for it.
+    """
+    mesh = sharding.check_mesh(mesh)
+    if mesh is not None and decoder.mesh is None:
+        decoder = dataclasses.replace(decoder, mesh=mesh)
+    elif mesh is not None and mesh != decoder.mesh:
+        raise ValueError("generate(mesh=...) differs from decoder.mesh: give the mesh once, as Decoder(mesh=...)")
+    mesh = decoder.mesh
+    if mesh is not None:
+        model = sharding.place_module(model, mesh)
+        pparams = sharding.place_pparams(pparams, mesh)
+        inputs = sharding.place_inputs(inputs, mesh)
+    graphdef, params = nnx.split(model)
+    state = prefill_program(graphdef, params, pparams, inputs, static=decoder)
+    return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), static=decoder)
+
+
+def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:
+    """The generated ids of every row (a stop token included when one ended the row); with the
+    `mesh` the state lives on, read through one replicated view (every process sees every row)."""
+    s = state.decode if isinstance(state, State) else state
+    toks, lens, plen = sharding.host_view((s.tokens, s.lengths, s.prompt_lengths), mesh)
+    return [toks[r, plen[r]: lens[r]].tolist() for r in range(toks.shape[0])]

@@ -1,0 +1,181 @@
+"""The cache coordinator: decode state (the while-loop carry) and the commits every path shares.
+
+Invariant: row b has committed `lengths[b]` tokens (prompt + generated) in `tokens[b]`; the
+cache holds K/V for positions `< lengths[b] - 1`. The last committed token is fed at the next
+step, at position `lengths[b] - 1`, alone (plain) or followed by K drafts (speculative).
+
+A `DecodeState` is per-row arrays (batch-leading) plus one `Shared` part that belongs to the batch:
+its step counter and the cross-request n-gram table. Slot operations (`rows_map`, `insert_row`)
+move rows and never touch the shared part; a step updates it (`learn`) after its commit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Int, Key
+
+from specjax.core import ngram_table
+from specjax.core import tree
+from specjax.models.kv_cache import KVCache
+from specjax.core.ngram_table import NgramTable
+from specjax.core.sampling import SamplingParams
+
+# A state's arrays: on device, or their numpy copies in a host view (`engine.Batch.view`).
+AnyArray = Array | np.ndarray
+
+
+@struct.dataclass
+class Shared:
+    """What the rows of a batch share: the batch's step counter and the cross-request n-gram table."""
+
+    forwards: Int[AnyArray, ""]  # target forward passes after prefill (loop control)
+    table: NgramTable | None = None  # written by every row's commits (`learn`), read by prompt lookup
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: Int[AnyArray, "B S"]  # token at each position: prompt, then generated
+    lengths: Int[AnyArray, "B"]  # committed tokens per row
+    prompt_lengths: Int[AnyArray, "B"]
+    max_new: Int[AnyArray, "B"]  # per-row budget of new tokens
+    done: Bool[AnyArray, "B"]
+    cache: KVCache | None  # None (and sampling, keys) only in a host view (engine.Batch.view)
+    sampling: SamplingParams | None
+    stop_ids: Int[AnyArray, "B E"]  # per-row stop tokens, padded with -1
+    keys: Key[Array, "B"] | None  # PRNG keys, one stream per row
+    row_forwards: Int[AnyArray, "B"]  # target forwards while each row was still active
+    shared: Shared  # the batch's part: step counter and n-gram table
+    contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter the table (None: all)
+    tenant: Int[AnyArray, "B"] | None = None  # each row's scope of the table (None: tenant 0)
+
+    @property
+    def forwards(self) -> Int[AnyArray, ""]:
+        return self.shared.forwards
+
+    @property
+    def table(self) -> NgramTable | None:
+        return self.shared.table
+
+    @property
+    def num_new(self) -> Int[AnyArray, "B"]:
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+
+def step_keys(state: DecodeState, salt: int = 0) -> Array:
+    """Per-row keys for this step: row key folded with the row's position and a salt.
+
+    Keys depend on a row's own position, not on its batch neighbours or on the step count,
+    so a row samples the same stream whatever batch it is in.
+    """
+    fold = lambda k, p: jax.random.fold_in(jax.random.fold_in(k, p), salt)
+    return jax.vmap(fold)(state.keys, state.lengths)
+
+
+def last_tokens(state: DecodeState) -> Int[Array, "B"]:
+    """The committed token not yet in the cache (fed at position lengths - 1)."""
+    return jnp.take_along_axis(state.tokens, state.lengths[:, None] - 1, axis=1)[:, 0]
+
+
+def is_stop(tokens: Int[Array, "B W"], stop_ids: Int[Array, "B E"]) -> Bool[Array, "B W"]:
+    return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
+
+
+def commit(
+    state: DecodeState, new: Int[Array, "B W"], num: Int[Array, "B"], window: int
+) -> tuple[DecodeState, Int[Array, "B"]]:
+    """Appends the first `num[b]` tokens of `new[b]` to each active row.
+
+    Cuts the row at its first stop token (kept) and at its max_new budget, then marks rows
+    done that stopped, spent their budget, or have no room left for another `window`-token
+    step. Returns the new state and how many tokens each row actually took.
+    """
+    w = new.shape[1]
+    j = jnp.arange(w)[None, :]
+    stop = is_stop(new, state.stop_ids) & (j < num[:, None])
+    first_stop = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1) + 1, w)
+    budget = state.max_new - state.num_new
+    take = jnp.minimum(jnp.minimum(num, first_stop), budget)
+    take = jnp.where(state.done, 0, jnp.maximum(take, 0))
+    cols = state.lengths[:, None] + j
+    rows = jnp.arange(new.shape[0])[:, None]
+    old = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.capacity - 1), axis=1)
+    vals = jnp.where(j < take[:, None], new, old)
+    tokens = state.tokens.at[rows, cols].set(vals, mode="drop")
+    lengths = state.lengths + take
+    stopped = (stop & (j < take[:, None])).any(axis=1)
+    done = (
+        state.done
+        | stopped
+        | (lengths - state.prompt_lengths >= state.max_new)
+        | (lengths + window > state.capacity)
+    )
+    return state.replace(tokens=tokens, lengths=lengths, done=done), take
+
+
+def learn(before: DecodeState, after: DecodeState, width: int) -> DecodeState:
+    """`after` with the shared n-gram table updated by what each row committed since `before` (at
+    most `width` tokens a row), each row in its tenant's scope and only where it may contribute.
+    A step calls it after its commit; the batch's counter `forwards` counts the step."""
+    table = after.shared.table
+    if table is None:
+        return after
+    contribute = jnp.ones_like(after.done) if after.contribute is None else after.contribute
+    take = after.lengths - before.lengths
+    table = ngram_table.add(table, after.tokens, before.lengths, take, width, contribute, after.tenant)
+    return after.replace(shared=after.shared.replace(table=table))
+
+
+def tick(state: DecodeState) -> DecodeState:
+    """Counts one target forward: the batch's, and each still-active row's."""
+    return state.replace(shared=state.shared.replace(forwards=state.shared.forwards + 1),
+                         row_forwards=state.row_forwards + (~state.done).astype(jnp.int32))
+
+
+def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], accepted,
+                topo: tree.AnyTopology) -> DecodeState:
+    """Commits a verified window: the accepted path's tokens and K/V, then the next token.
+
+    `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted
+    path's K/V move to consecutive slots (`tree.compact`); a chain's path already is consecutive.
+    Nothing is rolled back: slots past the new length are never attended and get overwritten.
+    """
+    b = nodes.shape[0]
+    window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+    new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, A]
+    new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
+    new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
+    if not topo.is_chain:
+        cache = tree.compact(cache, state.lengths - 1, accepted.path)
+    state = tick(state.replace(cache=cache))
+    return commit(state, new, accepted.n + 1, window=topo.width)[0]
+
+
+def rows_map(fn, batch, *others, shared_from: int = 0):
+    """`fn(leaf, *other_leaves)` over every per-row leaf of `batch` (batch-leading); a decode state's
+    `Shared` part is never sliced: it is taken whole from `(batch, *others)[shared_from]`, and
+    scalars elsewhere (a proposer's) keep `batch`'s values."""
+    trees = (batch,) + others
+
+    def leaf(x, *o):
+        if isinstance(x, Shared):
+            return (x, *o)[shared_from]
+        return fn(x, *o) if x.ndim else x
+
+    return jax.tree.map(leaf, *trees, is_leaf=lambda x: isinstance(x, Shared))
+
+
+def insert_row(batch, row, slot: Int[Array, ""]):
+    """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
+
+    The batch's `Shared` part (step counter, n-gram table) is kept. This is
+    what continuous batching needs: a request prefilled alone is scattered into a running batch;
+    other rows do not move.
+    """
+    return rows_map(lambda big, small: big.at[slot].set(small[0]), batch, row)

@@ -1,0 +1,156 @@
+"""Static decoding choices: which proposer, how many drafts, which tree. Hashable, jit-static."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from specjax.core.ngram_table import TableConfig
+from specjax.methods import registry
+from specjax.core.tree import HEADS_TREE, MAX_TREE_NODES, TREES, Tree, chain, validate_tree  # noqa: F401 (re-exported)
+
+MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
+
+
+def parse_tree(text: str | None) -> Tree | str | None:
+    """A `--tree` flag: a name (kept as is, resolved by `SpecConfig`) or paths as JSON."""
+    if text is not None and text.lstrip().startswith("["):
+        import json
+
+        return tuple(tuple(p) for p in json.loads(text))
+    return text
+
+
+@functools.total_ordering
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """How to speculate; also the auto scheduler's option (hashable; `SpecConfig()` is plain).
+
+    Attributes:
+      method: none (the plain loop) or the name of a method's record in
+        `specjax.methods.registry.RECORDS` (ngram: prompt lookup; draft: a small draft model;
+        medusa: heads on the target's last hidden state, chain or static tree; eagle: an EAGLE
+        head), which checks the options that belong to it.
+      k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
+        For medusa chains, k <= the number of heads.
+      ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
+      ngram_table: prompt lookup only: slots of a cross-request n-gram table in the loop state
+        (`specjax.core.ngram_table`; 0 = off), consulted when a row's own context has no match. The
+        Engine starts each batch with an empty table; the Scheduler keeps one across requests.
+      tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
+        first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
+        (resolved by the Engine). None = a chain of k heads' top-1.
+      nodes: eagle only: drafted nodes of the dynamic tree built each step (EAGLE-2), `k` its
+        depth; 0 drafts a chain of k.
+      topk: eagle trees: children per expanded node and frontier width.
+      draft_vocab: eagle only: propose from the head's `draft_vocab` most frequent tokens
+        (0 = its whole draft vocabulary); a smaller one makes each draft step cheaper.
+      typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
+        the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
+        distribution.
+
+    As an option of the auto controller (`specjax.serving.controller`), a spec is named by its `label`
+    ("none", "ngram:4", "medusa-tree:3", "eagle-tree:4"), keeps its acceptance statistics under its
+    `kind` and commits at most `depth` drafts per step.
+    """
+
+    method: str = "none"
+    k: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    ngram_table: int = 0
+    tree: Tree | str | None = None
+    nodes: int = 0
+    topk: int = 4
+    draft_vocab: int = 0
+    typical: tuple[float, float] | None = None
+
+    def __post_init__(self):
+        registry.check(self)  # the method exists; its own options belong to it and hold
+        for name in ("nodes", "draft_vocab"):
+            v = getattr(self, name)
+            if int(v) != v or v < 0:
+                raise ValueError(f"{name}={v}: must be an integer >= 0 (0 = off)")
+        if self.nodes > MAX_TREE_NODES:
+            raise ValueError(f"nodes={self.nodes}: at most {MAX_TREE_NODES} tree nodes are supported")
+        if int(self.topk) != self.topk or self.topk < 1:
+            raise ValueError(f"topk={self.topk}: must be an integer >= 1")
+        if self.typical is not None and self.method == "none":
+            raise ValueError("typical= is an acceptance rule: give a speculative method")
+        if self.tree == HEADS_TREE:
+            pass  # the tree tuned for the loaded heads; `Engine.resolve` fills it in
+        elif isinstance(self.tree, str):
+            if self.tree not in TREES:
+                raise ValueError(f"unknown tree {self.tree!r}: use one of {', '.join(TREES)} "
+                                 "or a tuple of paths")
+            object.__setattr__(self, "tree", TREES[self.tree])
+        if self.tree is not None and self.tree != HEADS_TREE:
+            tree = tuple(tuple(int(r) for r in p) for p in self.tree)
+            validate_tree(tree)
+            object.__setattr__(self, "tree", tree)
+            object.__setattr__(self, "k", max(len(p) for p in tree))
+        if self.typical is not None:
+            eps, delta = self.typical
+            if not (0 < eps < 1 and 0 < delta < 1):
+                raise ValueError(f"typical={self.typical}: need 0 < epsilon < 1 and 0 < delta < 1")
+        if self.method == "none":
+            return
+        if int(self.k) != self.k or not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k={self.k}: must be an integer in [1, {MAX_K}]")
+        if int(self.ngram_table) != self.ngram_table or self.ngram_table < 0:
+            raise ValueError(f"ngram_table={self.ngram_table}: give the table's slots (>= 1), or 0 for none")
+
+    def table_config(self, width: int | None = None):
+        """The n-gram table this spec asks for (None when off); `width` >= k followers per entry."""
+        if not self.ngram_table:
+            return None
+        lo = min(max(2, self.ngram_min), self.ngram_max)  # 1-grams across requests are mostly noise
+        return TableConfig(size=self.ngram_table, width=max(self.k, width or 0), min_n=lo, max_n=self.ngram_max)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree is not None or bool(self.nodes)
+
+    @property
+    def kind(self) -> str:
+        """The option's family: "none" (plain), the method for a chain, the method with "-tree" for
+        a tree ("medusa-tree", "eagle-tree"); the auto controller keeps acceptance per kind."""
+        if self.method == "none":
+            return "none"
+        return f"{self.method}-tree" if self.is_tree else self.method
+
+    @property
+    def depth(self) -> int:
+        """The most drafts one step can accept: 0 for plain, k for a chain, the tree's depth."""
+        return 0 if self.method == "none" else int(self.k)
+
+    @property
+    def label(self) -> str:
+        """A short stable name ("none", "ngram:4", "medusa-tree:3"; "medusa-tree:heads" before
+        `Engine.resolve`), used in chunk logs, telemetry and metrics."""
+        if self.method == "none":
+            return "none"
+        return f"{self.kind}:{self.tree if self.tree == HEADS_TREE else self.depth}"
+
+    def _order(self) -> tuple[str, str]:
+        return self.label, repr(self)
+
+    def __lt__(self, other):
+        """A total order (by label), so that dicts keyed by specs are JAX pytrees (sorted keys)."""
+        if not isinstance(other, SpecConfig):
+            return NotImplemented
+        return self._order() < other._order()
+
+    @property
+    def window(self) -> int:
+        """Tokens the target sees per step (and the cache headroom a step needs)."""
+        if self.method == "none":
+            return 1
+        if self.tree == HEADS_TREE:
+            raise ValueError('tree="heads" is resolved by the Engine that holds the heads '
+                             "(Engine.resolve(spec))")
+        if self.tree is not None:
+            return len(self.tree) + 1
+        if self.nodes:
+            return self.nodes + 1
+        return self.k + 1

@@ -1,0 +1,1 @@
+"""Prompt lookup: drafts copied from an earlier occurrence of the recent n-gram (`proposer`)."""

@@ -1,0 +1,213 @@
+"""One record per method: everything a host needs to know about it, looked up by name.
+
+A `Record` builds the proposer and its params from a `SpecConfig` and the `Assets` the host holds
+(the target, a draft model, trained heads), says which `SpecConfig` options apply to it and checks
+them, and gives the settings tuned for its loaded assets (`tuned`). Hosts (the Engine, the
+scheduler, the CLI) look records up by name and never test for a method themselves, so adding a
+method is its own module plus one record in `RECORDS` (or `register` for one defined elsewhere).
+
+This module sits below `specjax.methods.config` (which validates a `SpecConfig` through the records) and
+so never imports it: records read a spec's fields and return plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax.core import acceptance
+from specjax.models import eagle_io, heads_io
+from specjax.methods.draft.proposer import DraftModelProposer
+from specjax.methods.eagle.proposer import EagleProposer
+from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer
+from specjax.methods.ngram.proposer import NgramProposer
+from specjax.core.tree import HEADS_TREE
+
+
+@dataclasses.dataclass
+class Assets:
+    """What proposers may be built from: the target and the optional draft model and heads."""
+
+    target: Any
+    draft: Any = None
+    heads: LoadedHeads | None = None
+    eagle: "LoadedEagle | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedEagle:
+    """A trained EAGLE head, its draft vocabulary (most frequent first) and its manifest."""
+
+    module: Any
+    ids: tuple[int, ...]
+    manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    tuning: dict | None = dataclasses.field(default=None, hash=False, compare=False)  # tuning.json
+
+
+def _no_checks(spec) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A method, as the hosts see it.
+
+    Attributes:
+      name: the `SpecConfig.method` (and `--method`) that selects it.
+      build: `(spec, assets) -> (proposer, params)`; raises one clear ValueError when an asset it
+        needs is missing or does not fit the target.
+      options: the `SpecConfig` fields beyond `k` that apply to this method only (`tree`, `nodes`,
+        `draft_vocab`, `ngram_table`): any other method must leave them at their defaults.
+      check: `(spec) -> None`, the method's own checks on its options (raises ValueError).
+      tuned: `(assets, tree) -> dict`, the `SpecConfig` fields tuned for the loaded assets (its
+        chain, or with `tree` its tree); None when the method has no tuning.
+      auto: `(assets, ks, given) -> [fields]`, what the auto controller may run with the loaded
+        assets: the `SpecConfig` fields of each option (a chain, a tree); `ks` are the
+        controller's lengths, `given` the spec the user gave for this method (or None). None: the
+        controller's `methods` cover it.
+      flag, flag_value: the command-line flag that gives the method's asset and what it takes
+        (None: the method needs none).
+      shipped: `(model name) -> path | None`, the asset shipped for a model (None: none ship, so
+        the flag must be given).
+      load: `(engine, path) -> None`, loads the asset at `path` ("default": the shipped one) into
+        an `Engine`; None: `Engine.load` takes it (a draft model, loaded in the target's dtype).
+    """
+
+    name: str
+    build: Callable[[Any, Assets], tuple[Any, Any]]
+    options: tuple[str, ...] = ()
+    check: Callable[[Any], None] = _no_checks
+    tuned: Callable[[Assets, bool], dict] | None = None
+    auto: Callable[[Assets, tuple[int, ...], Any], list[dict]] | None = None
+    flag: str | None = None
+    flag_value: str = "DIR"
+    shipped: Callable[[str], Any] | None = None
+    load: Callable[[Any, str], None] | None = None
+
+
+def _check_ngram(spec) -> None:
+    if not 1 <= spec.ngram_min <= spec.ngram_max:
+        raise ValueError(f"ngram_min={spec.ngram_min}, ngram_max={spec.ngram_max}: need "
+                         "1 <= ngram_min <= ngram_max")
+
+
+def _eagle_tuned(assets: Assets, tree: bool) -> dict:
+    """The head's tuning on its machine (`specjax tune-heads --eagle`): its chain, or with `tree` its
+    dynamic tree; without a tuning, chain k=3 / tree depth 4 with 16 nodes and top-4."""
+    if assets.eagle is None:
+        raise ValueError("method 'eagle' needs an EAGLE head: Engine.load(..., eagle='default' or DIR) "
+                         "or --eagle DIR (train one with `specjax train-heads --kind eagle`)")
+    tuned = (assets.eagle.tuning or {}).get("tree" if tree else "chain")
+    return dict(tuned or (dict(k=4, nodes=16, topk=4) if tree else dict(k=3)))
+
+
+def _eagle_auto(assets: Assets, ks, given) -> list[dict]:
+    """The head's tuned chain and dynamic tree."""
+    if assets.eagle is None:
+        return []
+    return [dict(method=EAGLE, **_eagle_tuned(assets, tree)) for tree in (False, True)]
+
+
+def _medusa_auto(assets: Assets, ks, given) -> list[dict]:
+    """Each chain length in `ks` the heads support, and the tree given (a spec with a tree) or else
+    the heads' own tuned tree, if any."""
+    if assets.heads is None:
+        return []
+    heads = assets.heads.module.config.num_heads
+    chains = [dict(method=MEDUSA, k=k) for k in sorted({k for k in ks if k > 0}) if k <= heads]
+    if given is not None and given.tree is not None:
+        fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
+        if fields["tree"] == HEADS_TREE:
+            fields["tree"] = _heads_tree(assets)
+    elif assets.heads.tree is not None:
+        fields = dict(method=MEDUSA, tree=assets.heads.tree)
+    else:
+        return chains
+    return chains + [fields]
+
+
+def _heads_tree(assets: Assets):
+    if assets.heads is None or assets.heads.tree is None:
+        raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
+                         "name a tree (chain4, small, medium) or give --k")
+    return assets.heads.tree
+
+
+NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names
+RECORDS: dict[str, Record] = {r.name: r for r in (
+    Record(NGRAM, NgramProposer.from_spec, options=("ngram_table",), check=_check_ngram),
+    Record(DRAFT, DraftModelProposer.from_spec, flag="--draft-model",
+           flag_value="NAME (a model with the target's vocabulary)"),
+    Record(MEDUSA, MedusaProposer.from_spec, options=("tree",), auto=_medusa_auto, flag="--heads",
+           shipped=heads_io.shipped_heads_dir, load=lambda engine, path: engine.load_heads(path)),
+    Record(EAGLE, EagleProposer.from_spec, options=("nodes", "draft_vocab"), tuned=_eagle_tuned,
+           auto=_eagle_auto, flag="--eagle", shipped=eagle_io.shipped_eagle_dir,
+           load=lambda engine, path: engine.load_eagle(path)),
+)}
+
+
+def register(record: Record) -> None:
+    """Adds (or replaces) a method's record: what a method defined outside specjax calls once."""
+    RECORDS[record.name] = record
+
+
+def record(method: str) -> Record:
+    """The record of `method`; ValueError naming the known methods otherwise."""
+    if method not in RECORDS:
+        raise ValueError(f"unknown method {method!r}: use one of none, {', '.join(RECORDS)}")
+    return RECORDS[method]
+
+
+def check(spec) -> None:
+    """A spec's method exists and its method-specific options belong to it and hold."""
+    if spec.method != "none":
+        record(spec.method)
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    for field in sorted({f for r in RECORDS.values() for f in r.options}):
+        owners = [r.name for r in RECORDS.values() if field in r.options]
+        if getattr(spec, field) != defaults[field] and spec.method not in owners:
+            raise ValueError(f"{field}= applies to method {' or '.join(map(repr, owners))} only")
+    if spec.method != "none":
+        RECORDS[spec.method].check(spec)
+
+
+def base(label: str) -> str:
+    """The method behind a bench label or an option's kind (eagle-tree: eagle's tuned tree)."""
+    return label.removesuffix("-tree") if label.endswith("-tree") and label[:-5] in RECORDS else label
+
+
+def looks_up(method: str) -> bool:
+    """The method drafts by looking its context up (prompt lookup): it reads the cross-request n-gram
+    table (`ngram_table=`), and the auto scheduler replays it on the host over the text other
+    options commit (`specjax.methods.ngram.proposer.replay`)."""
+    return method in RECORDS and "ngram_table" in RECORDS[method].options
+
+
+def auto_options(assets: Assets, ks: tuple[int, ...], given: dict | None = None) -> list[dict]:
+    """What the auto controller may run besides its `methods`, over every record with loaded assets:
+    the `SpecConfig` fields of each option (see `Record.auto`)."""
+    out = []
+    for rec in RECORDS.values():
+        if rec.auto is not None:
+            out += rec.auto(assets, ks, (given or {}).get(rec.name))
+    return out
+
+
+def build(spec, assets: Assets):
+    """(proposer, params) for `spec`, or (None, None) for the plain loop."""
+    if spec.method == "none":
+        return None, None
+    return record(spec.method).build(spec, assets)
+
+
+def tuned(method: str, assets: Assets, *, tree: bool = False) -> dict | None:
+    """The `SpecConfig` fields tuned for the loaded assets of `method` (None: it has no tuning)."""
+    rec = record(method)
+    return None if rec.tuned is None else rec.tuned(assets, tree)
+
+
+def acceptance_rule(spec):
+    """The acceptance rule `spec` asks for, or None for the lossless default."""
+    if spec.typical is not None:
+        return acceptance.TypicalAcceptance(*spec.typical)
+    return None

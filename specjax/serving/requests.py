@@ -1,0 +1,101 @@
+"""A request's life in the scheduler: its status, what it asked for, and what it got and when.
+
+`Request` is the host record the scheduler (`specjax.serving.scheduler`) and the server keep per request:
+the prompt ids and sampling values (validated once, into its batch-of-one `Inputs`, at submit), then
+its tokens, emission times, stop reason, target forwards and speculation counters.
+`poisson_arrivals` gives open-loop arrival times for load runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from specjax import telemetry
+from specjax.methods.config import SpecConfig
+from specjax.core.decoder import Inputs
+from specjax.telemetry import SpecCounters, StopReason
+
+
+def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start) of `n` requests of a Poisson process of `rate`/s."""
+    if not rate > 0:
+        raise ValueError(f"arrival rate {rate}: must be > 0 requests per second")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps).tolist()
+
+
+class Status(enum.StrEnum):
+    """Where a request is: queued, then running in a slot, then finished, cancelled or failed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request and, once run, what it got and when (times in seconds from the run's start)."""
+
+    id: int
+    ids: list[int]
+    max_new_tokens: int
+    task: str | None = None
+    arrival: float | None = None  # None: as soon as a slot is free (a closed-loop client)
+    opt_out: bool = False
+    contribute: bool = True  # its text may enter the cross-request n-gram table
+    seed: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    speculation: SpecConfig | None = None  # the one option it may speculate with (None: any)
+    tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
+    stream: int | None = None  # its random stream's row index (None: its id)
+    stop_ids: tuple[int, ...] = ()  # its stop tokens
+    status: Status = Status.QUEUED
+    error: str | None = None  # why it failed
+    slot: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    arrived_s: float | None = None
+    emissions: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, tokens)
+    finished_s: float | None = None
+    stop_reason: StopReason | None = None
+    target_forwards: int = 0
+    counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
+    inputs: Inputs | None = dataclasses.field(default=None, repr=False)  # its batch of one (Inputs.create)
+
+    @property
+    def ttft_s(self) -> float:
+        """Arrival to first token (nan for a request cancelled before it ran)."""
+        return self.emissions[0][0] - self.arrived_s if self.emissions else float("nan")
+
+    @property
+    def latency_s(self) -> float:
+        """Arrival to last token, or to the cancellation."""
+        if self.finished_s is None or self.arrived_s is None:
+            return float("nan")
+        return self.finished_s - self.arrived_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Per-token inter-token latencies: a chunk's gap spread evenly over the tokens it brought."""
+        out = []
+        for (t0, _), (t1, n) in zip(self.emissions, self.emissions[1:]):
+            out += [(t1 - t0) / n] * n
+        return out
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after the first token."""
+        return telemetry.tau(len(self.tokens), self.target_forwards)
+
+
+def _placeholder_request() -> Request:
+    """A one-token request done at its insert that writes nothing to the n-gram table: the shapes an
+    insert program is compiled for, and what warm-up runs it on."""
+    return Request(id=-1, ids=[0], max_new_tokens=1, contribute=False)
