@@ -7,6 +7,7 @@ the SIGTERM test runs its own in a subprocess (this file run as a script). Every
 import asyncio
 import contextlib
 import gc
+import hashlib
 import json
 import math
 import os
@@ -134,8 +135,7 @@ def client(served):
 
 
 def idle(server: srv.Server) -> bool:
-    s = server.sched
-    return not s.live and not s.queue and all(r is None for r in s.slots) and server.engine.pending == 0
+    return server.sched.snapshot().idle and server.engine.pending == 0
 
 
 def live_device_bytes() -> tuple[int, int]:
@@ -666,7 +666,7 @@ def test_tenants_never_see_each_others_text(served):
     b.completions.create(model=MODEL, prompt="other: ijklmn ijklmn", max_tokens=MAX_TOKENS,
                          extra_body={"speculation": "off"})  # never speculated on: contributes nothing either
     wait_until(lambda: idle(server), 10, "the engine to go idle")
-    ta, tb = server.tenant_id("key:tenant-a"), server.tenant_id("key:tenant-b")
+    ta, tb = server.tenants.id("key:tenant-a"), server.tenants.id("key:tenant-b")
     assert ta != tb and 0 not in (ta, tb)
     table = server.sched.state.table
     keys, follow, owner = np.asarray(table.keys), np.asarray(table.follow), np.asarray(table.owner)
@@ -685,28 +685,40 @@ def test_tenants_never_see_each_others_text(served):
                 assert draft[0].tolist() == follow[slot, :4].tolist()
 
 
-def test_tenant_scopes(served):
-    """Whose scope a request reads and writes: its API key, else its `user`, else the anonymous
-    tenant 0; everyone's 0 with share_ngram_table. The server remembers the last max_tenants
-    tenants: one forgotten gets a new id when it returns; ids are never reused."""
-    from starlette.requests import Request as HTTPRequest
+def test_tenant_scopes():
+    """Whose scope a request reads and writes. Without keys: its bearer token, else its `user`,
+    else the anonymous tenant 0 (advisory). With keys: 401 without one of them; the key decides,
+    and `user` only sub-scopes within it. The last `limit` tenants are remembered: one forgotten
+    gets a new id when it returns; ids are never reused."""
+    from specjax.serving.server.auth import ANONYMOUS, Keys, TenantIds
+    from specjax.serving.server.protocol import APIError
 
-    eng = served[0]
-    server = tiny_server(eng)  # never started: nothing compiles
-    req = lambda key=None: HTTPRequest({"type": "http", "method": "POST", "path": "/", "headers": [] if key is None
-                                        else [(b"authorization", f"Bearer {key}".encode())]})
-    a, b = server.tenant(req("key-a"), None), server.tenant(req("key-b"), "alice")
-    assert 0 < a < b and server.tenant(req("key-a"), "bob") == a  # the key decides, not the user
-    alice = server.tenant(req(), "alice")
-    assert alice not in (0, a, b) and server.tenant(req(), "alice") == alice
-    assert server.tenant(req(), None) == 0 and server.tenant(req(""), None) == 0
-    server.max_tenants = 3
-    server.tenant(req("key-a"), None)  # a is now the most recently seen
-    server.tenant(req(), "carol")  # forgets the least recently seen: b
-    assert len(server._tenants) == 3 and server.tenant(req("key-a"), None) == a
-    assert server.tenant(req("key-b"), None) not in (0, a, b, alice)  # b again: a new id
-    shared = tiny_server(eng, share_ngram_table=True)
-    assert shared.tenant(req("key-a"), "alice") == 0 and not shared._tenants
+    bearer = lambda key: None if key is None else f"Bearer {key}"
+    ids = TenantIds(limit=3)
+    scope = lambda keys, key=None, user=None: ids.id(keys.tenant(bearer(key), user).scope)
+    open_ = Keys()
+    a, b = scope(open_, "key-a"), scope(open_, "key-b", "alice")
+    assert 0 < a < b and scope(open_, "key-a", "bob") == a  # the token decides, not the user
+    alice = scope(open_, None, "alice")
+    assert alice not in (0, a, b) and scope(open_, None, "alice") == alice
+    assert open_.tenant(None, None) == open_.tenant("Bearer ", None) == open_.tenant("Basic x", None) == ANONYMOUS
+    scope(open_, "key-a")  # a is now the most recently seen
+    scope(open_, None, "carol")  # forgets the least recently seen: b
+    assert len(ids) == 3 and scope(open_, "key-a") == a
+    assert scope(open_, "key-b") not in (0, a, b, alice)  # b again: a new id
+
+    keys = Keys(["k1", "k2"])
+    for header in (None, "Bearer nope", "k1", "Basic k1", "Bearer"):
+        with pytest.raises(APIError) as e:
+            keys.tenant(header, "alice")
+        assert e.value.status == 401 and e.value.code == "invalid_api_key"
+    t1, t1_alice, t2_alice = keys.tenant("Bearer k1", None), keys.tenant("bearer k1", "alice"), keys.tenant(
+        "Bearer k2", "alice")
+    assert len({t1.scope, t1_alice.scope, t2_alice.scope}) == 3  # `user` sub-scopes within a key only
+    assert t1.label == t1_alice.label != t2_alice.label and "k1" not in t1.scope + t1.label
+    assert t1.label == "key-" + hashlib.sha256(b"k1").hexdigest()[:12]
+    with pytest.raises(ValueError, match="whitespace"):
+        Keys(["ok", "has space"])
 
 
 def test_tenant_text_is_never_proposed_to_another_tenant(served):
@@ -1000,52 +1012,56 @@ def test_drain_finishes_what_it_can_then_cancels_the_rest(served, reference):
 
 # ---- SIGTERM: a subprocess running this file as a script ------------------------------------------
 
-def _serve_main(port: int) -> int:
+def _serve_main(port: int, step_s: float, drain_s: float) -> int:
     eng = tiny_engine()
     server = tiny_server(eng)
     step = server.sched.step
 
     def slow_step():  # so that requests are still in flight when SIGTERM arrives
-        time.sleep(0.05)
+        time.sleep(step_s)
         return step()
 
     server.sched.step = slow_step
-    return srv.run(server, host="127.0.0.1", port=port, drain_timeout=60, log_level="warning")
+    return srv.run(server, host="127.0.0.1", port=port, drain_timeout=drain_s, log_level="warning")
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0():
+def test_sigterm_drains_in_flight_requests_then_exits_0(reference):
+    """SIGTERM with four streams in flight (plain, 4 tokens a 0.3 s chunk; drain timeout 1 s): the
+    port stays open and new requests get 503 with Retry-After, /health 503 "draining"; the two
+    short streams (6 tokens) finish, the two long ones (24) end "cancelled" with a prefix of their
+    greedy tokens; then the process exits 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.Popen([sys.executable, __file__, str(port)], env=env)
+    proc = subprocess.Popen([sys.executable, __file__, str(port), "0.3", "1.0"], env=env)
     try:
         wait_until(lambda: healthy(url) or proc.poll() is not None, 300, "the subprocess server's warm-up", 0.2)
         assert proc.poll() is None
 
         async def main():
-            tasks = [asyncio.create_task(_stream(url, p, cancel_after=None)) for p in PROMPTS]
+            tasks = [asyncio.create_task(_stream(url, p, cancel_after=None, max_tokens=6 if i < 2 else MAX_TOKENS))
+                     for i, p in enumerate(PROMPTS)]
             t_end = time.monotonic() + 30
-            while time.monotonic() < t_end:  # until every request has streamed something
-                m = httpx.get(url + "/metrics").text
-                if "specjax:num_requests_running 4.0" in m:
+            while time.monotonic() < t_end:  # until every request is in a slot
+                m = await asyncio.to_thread(httpx.get, url + "/metrics", timeout=10)
+                if "specjax:num_requests_running 4.0" in m.text:
                     break
                 await asyncio.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(timeout=10) as c:
+                refused = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+                health = await c.get(url + "/health")
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60), refused, health
 
-            def new_request():  # no new requests: the port is closed, or a 503
-                try:
-                    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a"},
-                                      timeout=10).status_code
-                except httpx.ConnectError:
-                    return "refused"
-
-            refused = await asyncio.to_thread(new_request)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60), refused
-
-        out, refused = asyncio.run(main())
-        assert refused in ("refused", 503), refused
-        assert all(f in ("stop", "length") and toks for toks, f in out), out
+        out, refused, health = asyncio.run(main())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+        assert refused.json()["error"]["code"] == "unavailable"
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        for i, (p, (toks, finish)) in enumerate(zip(PROMPTS, out)):
+            ref = reference[("chat", p)]
+            assert toks and toks == ref[: len(toks)], (p, toks)
+            assert finish == ("length" if i < 2 else "cancelled"), (i, finish)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
@@ -1075,4 +1091,4 @@ def test_serve_command_builds_its_server(monkeypatch, method, flags, options):
 
 
 if __name__ == "__main__":
-    sys.exit(_serve_main(int(sys.argv[1])))
+    sys.exit(_serve_main(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])))

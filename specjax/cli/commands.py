@@ -536,12 +536,21 @@ def cmd_serve(args) -> int:
     sched = srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
                               max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
                               chunk=args.chunk, batch_sizes=sizes, controller=ccfg)
+    keys = list(args.api_key or [])
+    for path in args.api_key_file or []:
+        keys += srv.read_key_file(path)
+    if args.api_key_file and not keys:
+        raise ValueError(f"--api-key-file {' '.join(args.api_key_file)}: no key in it (one key a line)")
     config = srv.ServeConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
-                             request_timeout=args.request_timeout, share_ngram_table=args.share_ngram_table)
+                             request_timeout=args.request_timeout, share_ngram_table=args.share_ngram_table,
+                             api_keys=tuple(keys), max_body_bytes=(srv.MAX_BODY_BYTES if args.max_body_bytes is None
+                                                                   else args.max_body_bytes),
+                             metrics_tenants=args.metrics_tenants)
     server = srv.Server(sched, config, startup_memory={"weights": memory_added(m0, m1),
                                                        "draft_weights": memory_added(m1, m2)})
     print(f"specjax serve: {config.model_name} ({', '.join(o.label for o in sched.options)}), "
-          f"{args.slots} slots, on http://{args.host}:{args.port}/v1 (GET /health is 200 once compiled)",
+          f"{args.slots} slots, on http://{args.host}:{args.port}/v1 (GET /health is 200 once compiled; "
+          f"{f'{len(keys)} API keys' if keys else 'no API keys: open to anyone who can reach the port'})",
           file=sys.stderr, flush=True)
     return srv.run(server, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
 
@@ -844,6 +853,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--share-ngram-table", action="store_true",
                     help="one cross-request n-gram table for every tenant (default: one scope per API key "
                          "or user: a tenant's text is never proposed to another)")
+    sv.add_argument("--api-key", action="append", metavar="KEY",
+                    help="a key /v1 requests must send as 'Authorization: Bearer KEY' (repeatable; else 401). "
+                         "Each key is a tenant. Without keys the server is open and tenant scopes are advisory")
+    sv.add_argument("--api-key-file", action="append", metavar="PATH",
+                    help="a file of API keys, one a line (# comments); keeps them out of the process list")
+    sv.add_argument("--max-body-bytes", type=int, default=None,
+                    help="a longer request body gets 413 before it is parsed (default 2 MiB)")
+    sv.add_argument("--metrics-tenants", type=int, default=16,
+                    help="tenants with their own series in /metrics (the first to finish a request); "
+                         "the rest are counted under 'other'")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     sv.add_argument("--auto-max-step-cost", type=float, default=None,
                     help="auto: run only options whose step costs at most this many plain steps at the chunk's "

@@ -3,7 +3,9 @@
 `Request` is the host record the scheduler (`specjax.serving.scheduler`) and the server keep per request:
 the prompt ids and sampling values (validated once, into its batch-of-one `Inputs`, at submit), then
 its tokens, emission times, stop reason, target forwards and speculation counters.
-`poisson_arrivals` gives open-loop arrival times for load runs.
+`poisson_arrivals` gives open-loop arrival times for load runs. `SchedulerSnapshot` is the
+read-only view of a scheduler's requests that hosts (the server, its metrics) read instead of its
+internals (`Scheduler.snapshot`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,47 @@ class Request:
     def tau(self) -> float:
         """Tokens per target forward after the first token."""
         return telemetry.tau(len(self.tokens), self.target_forwards)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSnapshot:
+    """The request in one slot of the batch, as a snapshot saw it."""
+
+    slot: int
+    request: int  # its id
+    status: Status
+    tokens: int  # generated so far
+    task: str | None
+    tenant: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSnapshot:
+    """A scheduler's requests at one moment (`Scheduler.snapshot`), safe to keep and read anywhere.
+
+    Attributes:
+      slots: rows of the batch.
+      queued: requests submitted and not yet in a slot (the queue depth).
+      live: requests queued or running.
+      rows: per slot, its request or None (a free slot).
+      last_chunk: the last chunk run (what ran, why, for whom), or None.
+    """
+
+    slots: int
+    queued: int
+    live: int
+    rows: tuple[RowSnapshot | None, ...]
+    last_chunk: telemetry.ChunkRecord | None = None
+
+    @property
+    def running(self) -> int:
+        """Requests in a slot."""
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, nothing running."""
+        return self.live == 0 and self.queued == 0 and self.running == 0
 
 
 def _placeholder_request() -> Request:

@@ -56,7 +56,8 @@ from specjax.core.state import DecodeState
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.methods import registry
 from specjax.methods.ngram.proposer import HostLookup, replay
-from specjax.serving.requests import Request, Status, _placeholder_request, poisson_arrivals  # noqa: F401 (re-exported)
+from specjax.serving.requests import (Request, RowSnapshot, SchedulerSnapshot, Status,  # noqa: F401 (re-exported)
+                                      _placeholder_request, poisson_arrivals)
 from specjax.telemetry import StopReason
 
 NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
@@ -550,16 +551,53 @@ class Scheduler:
         self._lookups.pop(req.id, None)
 
     # ---- reporting ---------------------------------------------------------------------------
-    def memory(self) -> dict:
-        """Bytes of what this scheduler keeps on the device: weights, draft/heads, caches."""
-        nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                                  if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
-        shared = {id(x) for x in jax.tree.leaves(self.engine.params)}
-        shared |= {id(self.engine.model.embed[...])}  # Medusa's shared LM head is the target's
+    def snapshot(self) -> SchedulerSnapshot:
+        """What the scheduler holds now, read-only (`SchedulerSnapshot`): queue depth, the row in each
+        slot, the requests alive, the last chunk. Callable from any thread (a server's event loop
+        reads it while the engine thread steps): it copies the slot list and reads each length in one
+        step, so every value is one the scheduler had, though two values may be a chunk boundary apart."""
+        rows = tuple(None if r is None else RowSnapshot(slot=i, request=r.id, status=r.status, tokens=len(r.tokens),
+                                                        task=r.task, tenant=r.tenant)
+                     for i, r in enumerate(list(self.slots)))
+        log = self.chunk_log
+        return SchedulerSnapshot(slots=self.b, queued=len(self.queue), live=len(self.live), rows=rows,
+                                 last_chunk=log[-1] if log else None)
+
+    def request(self, rid: int) -> Request | None:
+        """The record of request `rid` while it is queued or running (None after: see `requests`)."""
+        return self.live.get(rid)
+
+    def _device_parts(self) -> dict[str, list]:
+        """The device arrays of each part: the target's weights, the draft weights (proposer
+        parameters not shared with the target: Medusa's LM head is the target's), the caches (the
+        batch state and the proposers' states, the n-gram table apart) and the n-gram table."""
+        arrays = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+        weights = arrays(self.engine.params)
+        shared = {id(x) for x in weights} | {id(self.engine.model.embed[...])}
         if not self.engine.config.tie_embeddings:
             shared |= {id(self.engine.model.lm_head[...])}
-        extra = {id(x): x for pp in self.batch.pparams for x in jax.tree.leaves(pp) if id(x) not in shared}
-        table = nbytes(self.batch.state.table)
-        return dict(target_weight_bytes=nbytes(self.engine.params),
-                    draft_weight_bytes=nbytes(list(extra.values())),
-                    cache_bytes=nbytes(self.batch.state) - table + nbytes(self.batch.pstates), ngram_table_bytes=table)
+        draft = list({id(x): x for x in arrays(self.batch.pparams) if id(x) not in shared}.values())
+        table = arrays(self.batch.state.table)
+        in_table = {id(x) for x in table}
+        caches = [x for x in arrays(self.batch.state) + arrays(self.batch.pstates) if id(x) not in in_table]
+        return dict(weights=weights, draft_weights=draft, caches=caches, ngram_table=table)
+
+    def memory(self) -> dict:
+        """Bytes of what this scheduler keeps on the device (shape times dtype size): weights,
+        draft/heads, caches, n-gram table."""
+        nbytes = lambda xs: sum(x.size * x.dtype.itemsize for x in xs
+                                if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+        p = self._device_parts()
+        return dict(target_weight_bytes=nbytes(p["weights"]), draft_weight_bytes=nbytes(p["draft_weights"]),
+                    cache_bytes=nbytes(p["caches"]), ngram_table_bytes=nbytes(p["ngram_table"]))
+
+    def memory_parts(self) -> dict[str, int]:
+        """Device bytes of each part (weights, draft_weights, caches, ngram_table) as the runtime
+        reports them (`jax.Array.on_device_size_in_bytes`: the allocation, padding included), each
+        buffer counted once. Call it from the thread that steps (the batch state is donated at every
+        step), after `prepare`."""
+        out = {}
+        for part, xs in self._device_parts().items():
+            live = {id(x): x for x in xs if not x.is_deleted()}
+            out[part] = sum(int(x.on_device_size_in_bytes()) for x in live.values())
+        return out

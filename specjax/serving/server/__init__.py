@@ -1,9 +1,10 @@
 """`specjax serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
 
 One engine thread owns the `Scheduler` (`engine_thread`); the Starlette app (`app`) validates
-requests, hands them over as messages, and streams the tokens back; `metrics` exports the
-Prometheus metrics. `run` serves until SIGTERM / SIGINT, then drains: no new requests, those in
-flight finish (bounded by `drain_timeout`, then they end "cancelled"), and it returns 0.
+requests (`protocol`) behind API keys (`auth`) and limits (`guard`), hands them over as messages,
+and streams the tokens back; `metrics` exports the Prometheus metrics. `run` serves until SIGTERM /
+SIGINT, then drains: the port stays open, new requests get 503 with Retry-After, those in flight
+finish (bounded by `drain_timeout`, then they end "cancelled"), and it returns 0.
 
 Example:
   >>> eng = Engine.load("smollm2-135m")
@@ -14,16 +15,18 @@ Example:
 from __future__ import annotations
 
 import signal
+import threading
 
 from specjax.methods.config import SpecConfig
 from specjax.serving.controller import ControllerConfig
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.serving.scheduler import Scheduler
-from specjax.serving.server.app import ServeConfig, Server
+from specjax.serving.server.app import MAX_BODY_BYTES, ServeConfig, Server
+from specjax.serving.server.auth import read_key_file
 from specjax.serving.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
 
-__all__ = ["End", "EngineThread", "Job", "NotAccepting", "QueueFull", "ServeConfig", "Server", "run",
-           "scheduler_for"]
+__all__ = ["MAX_BODY_BYTES", "End", "EngineThread", "Job", "NotAccepting", "QueueFull", "ServeConfig", "Server",
+           "read_key_file", "run", "scheduler_for"]
 
 
 def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | None = None, slots: int = 8,
@@ -48,21 +51,23 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
 
 def run(server: Server, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
         log_level: str = "info") -> int:
-    """Serves until SIGTERM or SIGINT, then drains: no new connections or requests, those in flight
-    get `drain_timeout` seconds to finish, then what is left ends with finish_reason "cancelled"
-    (its clients get that answer); returns 0."""
+    """Serves until SIGTERM or SIGINT, then drains: the port stays open and new requests get 503
+    with Retry-After (/health 503 "draining"), while those in flight get `drain_timeout` seconds to
+    finish; then what is left ends with finish_reason "cancelled" (its clients get that answer),
+    the port closes once every response is sent, and it returns 0. A second SIGINT exits at once."""
     import uvicorn
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):  # no re-raise of the signal afterwards: a drain is a clean exit
-            server.drain(drain_timeout)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
-                self.should_exit = True
+            if not server.draining:
+                drainer = server.drain(drain_timeout)
+                threading.Thread(target=lambda: (drainer.join(), setattr(self, "should_exit", True)),
+                                 name="specjax-drained", daemon=True).start()
+            elif sig == signal.SIGINT:
+                self.should_exit = self.force_exit = True
 
     # uvicorn waits for the connections past the drain, so that the "cancelled" ends reach their clients
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout + 10)
+                            timeout_graceful_shutdown=10)
     _Uvicorn(config).run()
     return 0

@@ -2,39 +2,46 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (SSE with "stream": true), GET /v1/models,
 GET /health (503 until the warm-up compiles are done, then 200), GET /metrics (Prometheus).
+With API keys (`ServeConfig.api_keys`), the /v1 routes answer 401 without one; /health and /metrics
+stay open (`auth`).
 
-A request is validated here (pydantic, then the model's limits) before it reaches the engine
-thread, so bad input costs no compile and no slot. Text comes back through the tokenizer's stream
-decoder; stop strings are matched on the decoded text (held back by the longest stop string minus
-one character, so no stop string is ever streamed) and cancel the request in the engine at the
-next chunk boundary. A client that disconnects cancels its request the same way.
+A request is checked in this order, so that a bad one costs little and delays no one: its key (401),
+its body's size (413, `guard.read_body`), then, in a worker thread off the event loop, its JSON and
+fields (`protocol.parse`), its prompt's length in characters (a prompt longer than the prompt bucket
+times the tokenizer's longest token cannot fit), the chat template and the tokenizer, and the
+model's limits (400 or 404), all before it reaches the engine thread: bad input costs no compile and
+no slot. Text comes back through the tokenizer's stream decoder; stop strings are matched on the
+decoded text (held back by the longest stop string minus one character, so no stop string is ever
+streamed) and cancel the request in the engine at the next chunk boundary. A client that
+disconnects cancels its request the same way. Every response carries `X-Request-Id`, and the log
+names that id for every error (`guard`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import threading
 import time
-import uuid
 from typing import AsyncIterator
 
-import pydantic
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specjax.serving.scheduler import Scheduler
 from specjax.serving.server import protocol
+from specjax.serving.server.auth import Keys, TenantIds
 from specjax.serving.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
-from specjax.serving.server.metrics import Metrics, memory_added, memory_now, memory_parts
+from specjax.serving.server.guard import RequestIds, read_body, request_id
+from specjax.serving.server.metrics import Metrics, memory_added, memory_now
 from specjax.serving.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
@@ -42,6 +49,8 @@ log = logging.getLogger("specjax.serving.server")
 
 MAX_TASKS = 64  # task classes kept apart (per-class acceptance); later ones count as "other"
 MAX_TENANTS = 100_000  # tenants remembered (least recently seen forgotten first)
+MAX_BODY_BYTES = 2 << 20  # 2 MiB: a 128k-token prompt of JSON-escaped text fits
+PARSERS = 2  # worker threads that parse, validate and tokenize request bodies
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,8 +63,16 @@ class ServeConfig:
       request_timeout: default deadline in seconds from arrival (None: none); a request's
         `timeout` field may only shorten it.
       share_ngram_table: every tenant reads and writes one n-gram table (default: one scope per
-        tenant: API key, else `user`, else the anonymous tenant).
+        tenant, see `auth`).
       retry_after: seconds a 429 / 503 asks the client to wait.
+      api_keys: the keys /v1 requests must carry (`Authorization: Bearer`); none: open, and the
+        tenant scopes are then advisory (`auth`).
+      max_body_bytes: a longer request body gets 413, unread.
+      max_prompt_chars: a longer prompt (the characters of its messages) gets 400 before it is
+        tokenized. None: the prompt bucket times the tokenizer's longest token in characters, the
+        most a prompt that fits can have.
+      metrics_tenants: tenants with their own series in /metrics (the first ones to finish a
+        request); the others are counted under "other".
     """
 
     model_name: str
@@ -63,6 +80,10 @@ class ServeConfig:
     request_timeout: float | None = None
     share_ngram_table: bool = False
     retry_after: int = 1
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_chars: int | None = None
+    metrics_tenants: int = 16
 
 
 @dataclasses.dataclass
@@ -70,6 +91,7 @@ class _Ctx:
     """What the response needs besides the engine's events."""
 
     kind: str  # "chat" | "completion"
+    rid: str  # the request id (X-Request-Id)
     id: str
     created: int
     prompt_tokens: int
@@ -79,13 +101,29 @@ class _Ctx:
     token_ids: bool
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """A request as the worker thread left it: validated, tokenized, its submit arguments."""
+
+    body: ChatRequest | CompletionRequest
+    ids: list[int]
+    submit: dict
+    stops: list[str]
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its vocab entry; a byte-level entry has one
+    character per byte, so it never counts fewer than the text it decodes to)."""
+    return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
+
+
 class Server:
     """An engine thread and the Starlette app over it.
 
     Example:
       >>> sched = Scheduler(engine, slots=8, spec="auto", opts=GenerateOptions(max_new_tokens=256),
       ...                   max_prompt_tokens=512, history=1024)
-      >>> server = Server(engine_thread_of(sched), ServeConfig(model_name="smollm2-135m"))
+      >>> server = Server(sched, ServeConfig(model_name="smollm2-135m", api_keys=("sk-local",)))
       >>> uvicorn.run(server.app, host="127.0.0.1", port=8000)
     """
 
@@ -97,16 +135,22 @@ class Server:
             raise ValueError("serving text needs an Engine with a tokenizer")
         if sched.max_prompt_tokens is None:
             raise ValueError("give the scheduler max_prompt_tokens= (the longest prompt the server accepts)")
+        for name in ("max_body_bytes", "metrics_tenants"):
+            if int(getattr(config, name)) != getattr(config, name) or getattr(config, name) < 1:
+                raise ValueError(f"{name}={getattr(config, name)}: must be an integer >= 1")
         self.bucket = sched.engine.bucket_for(sched.max_prompt_tokens)  # the scheduler's, known before compiling
         self.sched, self.config = sched, config
         self.tokenizer = sched.engine.tokenizer
-        self.metrics = Metrics(startup_memory=startup_memory)
+        self.keys = Keys(config.api_keys)
+        self.tenants = TenantIds(MAX_TENANTS)
+        self.max_prompt_chars = config.max_prompt_chars or self.bucket * longest_token_chars(self.tokenizer)
+        self.metrics = Metrics(startup_memory=startup_memory, tenants=config.metrics_tenants)
         loaded = memory_now()
 
         def on_ready():  # in the engine thread, once compiled and warmed up
             self.metrics.record_startup("caches_and_programs", memory_added(loaded, memory_now()))
             try:
-                self.metrics.record_parts(memory_parts(sched))
+                self.metrics.record_parts(sched.memory_parts())
             except Exception:  # a metric must never keep the server from starting
                 log.exception("cannot measure the device buffers per part")
 
@@ -114,9 +158,7 @@ class Server:
                                    on_end=self.metrics.on_end, on_ready=on_ready)
         self.metrics.watch(self.engine)
         self._drainer: threading.Thread | None = None
-        self._tenants: collections.OrderedDict[str, int] = collections.OrderedDict()  # hashed key -> id, LRU
-        self._next_tenant = 1
-        self.max_tenants = MAX_TENANTS
+        self._parser = concurrent.futures.ThreadPoolExecutor(PARSERS, thread_name_prefix="specjax-parse")
         self._task_names: set[str] = set()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -124,7 +166,7 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-        ], exception_handlers={APIError: self._error}, lifespan=self._lifespan)
+        ], middleware=[Middleware(RequestIds)], exception_handlers={APIError: self._error}, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -132,11 +174,17 @@ class Server:
             self.engine.start()
         yield
         await asyncio.to_thread(self.engine.stop, 0.0)  # uvicorn has already drained the requests
+        self._parser.shutdown(wait=False)
+
+    @property
+    def draining(self) -> bool:
+        """`drain` was called."""
+        return self._drainer is not None
 
     def drain(self, timeout: float) -> threading.Thread:
-        """Stops accepting requests (they get 503, and /health 503); those in flight get `timeout`
-        seconds to finish, then the rest end with finish_reason "cancelled", sent to their clients,
-        and the engine thread ends. Returns the thread that waits (SIGTERM calls this)."""
+        """Stops accepting requests (they get 503 with Retry-After, and /health 503); those in flight
+        get `timeout` seconds to finish, then the rest end with finish_reason "cancelled", sent to
+        their clients, and the engine thread ends. Returns the thread that waits (SIGTERM calls this)."""
         self.engine.drain()
         if self._drainer is None:
             self._drainer = threading.Thread(target=self.engine.stop, args=(timeout,), name="specjax-drain",
@@ -145,6 +193,8 @@ class Server:
         return self._drainer
 
     async def _error(self, request, exc: APIError):
+        (log.warning if exc.status >= 500 else log.info)("request %s: %d %s", request_id(request), exc.status,
+                                                         exc.message)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     # ---- plain routes -------------------------------------------------------------------------
@@ -158,93 +208,82 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request):
+        self.keys.tenant(request.headers.get("authorization"), None)
         s = self.sched
         options = [o.label for o in s.options]
         return JSONResponse({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specjax",
             "max_model_len": s.engine.config.max_seq_len, "max_tokens": s.opts.max_new_tokens,
-            "speculation": {"mode": "auto" if s.controller is not None or s.ccfg is not None else "fixed",
-                            "options": options}}]})
+            "speculation": {"mode": "auto" if s.ccfg is not None else "fixed", "options": options}}]})
 
     async def prometheus(self, request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- completions ---------------------------------------------------------------------------
     async def chat(self, request: HTTPRequest):
-        arrived = time.perf_counter()  # latency counts from here: parsing and tokenizing included
-        body = await self._parse(request, ChatRequest)
-        msgs = [{"role": m.role, "content": protocol.message_text(m, i)} for i, m in enumerate(body.messages)]
-        try:
-            text = self.tokenizer.apply_chat_template(msgs)
-        except Exception as e:
-            raise bad(f"messages: the model's chat template rejected them: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_bos=False)
-        return await self._complete(request, body, ids, "chat",
-                                    body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
-                                    arrived)
+        return await self._serve(request, "chat")
 
     async def completions(self, request: HTTPRequest):
-        arrived = time.perf_counter()
-        body = await self._parse(request, CompletionRequest)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise bad("prompt: give one prompt per request (batches of prompts are not supported)", "prompt")
-            p = p[0]
-        if body.echo:
-            raise bad("echo is not supported", "echo")
-        ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-        return await self._complete(request, body, ids, "completion", body.max_tokens, arrived)
+        return await self._serve(request, "completion")
 
-    async def _parse(self, request: HTTPRequest, model):
-        raw = await request.body()
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"the body is not valid JSON ({e}); send a JSON object") from None
-        if not isinstance(obj, dict):
-            raise bad("the body must be a JSON object")
-        try:
-            body = model.model_validate(obj)
-        except pydantic.ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise bad(f"{loc}: {err['msg']}", loc or None) from None
+    async def _serve(self, request: HTTPRequest, kind: str):
+        arrived = time.perf_counter()  # latency counts from here: reading, parsing and tokenizing included
+        auth = request.headers.get("authorization")
+        self.keys.tenant(auth, None)  # 401 before the body is read
+        raw = await read_body(request, self.config.max_body_bytes)
+        loop = asyncio.get_running_loop()
+        prep = await loop.run_in_executor(self._parser, self._prepare, raw, kind)
+        tenant = self.keys.tenant(auth, prep.body.user)
+        prep.submit.update(task=self._task(prep.body.task or request.headers.get("x-task")),
+                           tenant=0 if self.config.share_ngram_table else self.tenants.id(tenant.scope))
+        return await self._complete(request, prep, kind, arrived, tenant.label)
+
+    def _prepare(self, raw: bytes, kind: str) -> _Prepared:
+        """In a worker thread: the body parsed and validated, the prompt tokenized (or 400 / 404)."""
+        body = protocol.parse(raw, ChatRequest if kind == "chat" else CompletionRequest)
         if body.model != self.config.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist: this server serves "
                                 f"{self.config.model_name!r}", type="not_found_error", param="model",
                            code="model_not_found")
-        return body
+        if kind == "chat":
+            msgs = [{"role": m.role, "content": protocol.message_text(m, i)} for i, m in enumerate(body.messages)]
+            self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(msgs)
+            except Exception as e:
+                raise bad(f"messages: the model's chat template rejected them: {e}", "messages") from None
+            ids = self.tokenizer.encode(text, add_bos=False)
+            max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        else:
+            p = body.prompt
+            if isinstance(p, list) and p and isinstance(p[0], str):
+                if len(p) != 1:
+                    raise bad("prompt: give one prompt per request (batches of prompts are not supported)", "prompt")
+                p = p[0]
+            if body.echo:
+                raise bad("echo is not supported", "echo")
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            max_tokens = body.max_tokens
+        return _Prepared(body, ids, self._submit_args(body, ids, max_tokens), protocol.stop_strings(body.stop))
 
-    def tenant(self, request: HTTPRequest, user: str | None) -> int:
-        """The n-gram table scope: one per API key (else per `user`), 0 for anonymous requests,
-        everyone's 0 with `share_ngram_table`. Keys are kept hashed; ids are never reused."""
-        if self.config.share_ngram_table:
-            return 0
-        auth = request.headers.get("authorization", "")
-        key = f"key:{auth[7:]}" if auth.lower().startswith("bearer ") and auth[7:].strip() else (
-            f"user:{user}" if user else None)
-        return 0 if key is None else self.tenant_id(key)
+    def _check_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise bad(f"the prompt has {n} characters; a prompt this server accepts (at most {self.bucket} tokens) "
+                      f"has at most {self.max_prompt_chars}", param)
 
-    def tenant_id(self, key: str) -> int:
-        """The id of tenant `key` ("key:<API key>" or "user:<user>"), given on first sight. The
-        server remembers the last `max_tenants` tenants (a client sending a new `user` each time
-        cannot grow it without bound); one forgotten and seen again gets a new id, so its old
-        table entries are never proposed again, to it or anyone. Ids are never reused."""
-        h = hashlib.sha256(key.encode()).hexdigest()
-        if h in self._tenants:
-            self._tenants.move_to_end(h)
-            return self._tenants[h]
-        if self._next_tenant >= 2 ** 31:
-            raise APIError(503, "too many tenants for the n-gram table's scopes; restart the server",
-                           type="server_error")
-        self._tenants[h] = self._next_tenant
-        self._next_tenant += 1
-        while len(self._tenants) > self.max_tenants:
-            self._tenants.popitem(last=False)
-        return self._tenants[h]
+    def _task(self, task: str | None) -> str | None:
+        """The task class; past MAX_TASKS distinct ones, "other" (per-class statistics stay bounded)."""
+        if task is not None and task not in self._task_names:
+            if len(self._task_names) >= MAX_TASKS:
+                return "other"
+            self._task_names.add(task)
+        return task
 
-    def _submit_args(self, request: HTTPRequest, body, ids: list[int], max_tokens: int | None) -> dict:
+    def _submit_args(self, body, ids: list[int], max_tokens: int | None) -> dict:
+        """`Scheduler.submit`'s arguments (but the task and tenant), each value checked against the
+        server's limits (400 naming the field). Reads only settings: safe in a worker thread."""
         s, opts = self.sched, self.sched.opts
         if body.n != 1:
             raise bad(f"n={body.n}: only n=1 is supported", "n")
@@ -252,27 +291,26 @@ class Server:
             raise bad("logprobs are not supported by this server", "logprobs")
         if not ids:
             raise bad("the prompt is empty", "prompt")
-        vocab = s.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if len(ids) > self.bucket:
             raise bad(f"the prompt has {len(ids)} tokens; this server accepts at most {self.bucket} "
                       "(start it with a larger --max-prompt-tokens)", "prompt")
+        vocab = s.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(f"prompt token ids must lie in [0, {vocab})", "prompt")
         m = opts.max_new_tokens if max_tokens is None else max_tokens
-        if int(m) != m or not 1 <= m <= opts.max_new_tokens:
+        if not 1 <= m <= opts.max_new_tokens:
             raise bad(f"max_tokens={max_tokens}: must be an integer in [1, {opts.max_new_tokens}] "
                       "(the server's --max-tokens sizes its cache)", "max_tokens")
-        greedy = opts.sampling.greedy
         if body.temperature is not None:
             if not body.temperature >= 0:
                 raise bad(f"temperature={body.temperature}: must be >= 0 (0 = greedy)", "temperature")
-            if body.temperature > 0 and greedy:
+            if body.temperature > 0 and opts.sampling.greedy:
                 raise bad(f"temperature={body.temperature}: this server decodes greedily; start it with "
                           "--temperature > 0 to compile the sampled programs", "temperature")
         if body.top_p is not None and not 0 < body.top_p <= 1:
             raise bad(f"top_p={body.top_p}: must lie in (0, 1]", "top_p")
-        if body.top_k is not None and body.top_k < 0:
-            raise bad(f"top_k={body.top_k}: must be >= 0 (0 = off)", "top_k")
+        if body.top_k is not None and not 0 <= body.top_k < 2 ** 31:
+            raise bad(f"top_k={body.top_k}: must lie in [0, 2**31) (0 = off)", "top_k")
         if body.seed is not None and not 0 <= body.seed < 2 ** 32:
             raise bad(f"seed={body.seed}: must lie in [0, 2**32)", "seed")
         if body.timeout is not None and not body.timeout > 0:
@@ -280,31 +318,23 @@ class Server:
         stop_ids = list(body.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_ids):
             raise bad(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
-        task = body.task or request.headers.get("x-task")
-        if task is not None and len(task) > 64:
-            raise bad("task: at most 64 characters", "task")
-        if task is not None and task not in self._task_names:  # per-class statistics stay bounded
-            if len(self._task_names) >= MAX_TASKS:
-                task = "other"
-            else:
-                self._task_names.add(task)
-        kw = dict(max_new_tokens=int(m), task=task, contribute=body.contribute,
-                  temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                  stop_ids=stop_ids, tenant=self.tenant(request, body.user),
-                  stream=None if body.seed is None else 0)  # a seed names the whole random stream
-        kw.update(protocol.speculation_option(body.speculation, s.options, fixed=s.fixed))
         if len(set(stop_ids) | set(s.engine.stop_ids(opts))) > 8:
             raise bad("stop_token_ids: at most 8 stop tokens, the model's own included", "stop_token_ids")
+        if body.task is not None and len(body.task) > 64:
+            raise bad("task: at most 64 characters", "task")
+        kw = dict(max_new_tokens=m, contribute=body.contribute, temperature=body.temperature, top_k=body.top_k,
+                  top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
+                  stream=None if body.seed is None else 0)  # a seed names the whole random stream
+        kw.update(protocol.speculation_option(body.speculation, s.options, fixed=s.fixed))
         return kw
 
-    async def _complete(self, request: HTTPRequest, body, ids: list[int], kind: str, max_tokens, arrived: float):
-        kw = self._submit_args(request, body, ids, max_tokens)
-        stops = protocol.stop_strings(body.stop)
+    async def _complete(self, request: HTTPRequest, prep: _Prepared, kind: str, arrived: float, tenant: str):
+        body, ids = prep.body, prep.ids
         if self.engine.startup_error is not None:
             raise APIError(503, f"the engine failed to start: {self.engine.startup_error}", type="server_error")
         timeout = min(x for x in (body.timeout, self.config.request_timeout, float("inf")) if x is not None)
         loop = asyncio.get_running_loop()
-        job = Job(ids=ids, submit=kw, loop=loop, events=asyncio.Queue(), arrived=arrived)
+        job = Job(ids=ids, submit=prep.submit, loop=loop, events=asyncio.Queue(), arrived=arrived, tenant=tenant)
         if timeout != float("inf"):
             job.deadline = job.arrived + timeout
         retry = {"Retry-After": str(self.config.retry_after)}
@@ -314,9 +344,11 @@ class Server:
             raise APIError(429, f"the server is at capacity ({e}); retry after {self.config.retry_after} s",
                            type="rate_limit_error", code="queue_full", headers=retry) from None
         except NotAccepting as e:
-            raise APIError(503, f"{e}; retry later", type="server_error", code="unavailable", headers=retry) from None
-        ctx = _Ctx(kind=kind, id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
-                   created=int(time.time()), prompt_tokens=len(ids), stops=stops, stream=body.stream,
+            raise APIError(503, f"{e}; retry after {self.config.retry_after} s", type="server_error",
+                           code="unavailable", headers=retry) from None
+        rid = request_id(request)
+        ctx = _Ctx(kind=kind, rid=rid, id=("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
+                   created=int(time.time()), prompt_tokens=len(ids), stops=prep.stops, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    token_ids=body.return_token_ids)
         if body.stream:
@@ -333,7 +365,7 @@ class Server:
             if not job.ended:
                 self.engine.cancel(job)
         if end is not None and end.reason == "error":
-            raise self._end_error(end)
+            raise self._end_error(end, ctx)
         return JSONResponse(self._final(ctx, text, toks, finish, end))
 
     async def _watch_disconnect(self, request: HTTPRequest, job: Job) -> None:
@@ -368,10 +400,11 @@ class Server:
             if emit or ids:
                 yield emit, ids, None, None
 
-    def _end_error(self, end: End) -> APIError:
+    def _end_error(self, end: End, ctx: _Ctx) -> APIError:
         if end.client_error:
             return bad(end.error)
-        return APIError(500, f"the request failed in the engine: {end.error}", type="server_error")
+        log.error("request %s failed in the engine: %s", ctx.rid, end.error)
+        return APIError(500, f"the request failed in the engine: {end.error} (request {ctx.rid})", type="server_error")
 
     def _usage(self, ctx: _Ctx, end: End | None, completion: int) -> dict:
         return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion,
@@ -407,21 +440,26 @@ class Server:
 
     async def _sse(self, job: Job, ctx: _Ctx):
         sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-        n, first = 0, True
         try:
-            async for delta, ids, finish, end in self._events(job, ctx):
-                if end is not None and end.reason == "error":
-                    yield sse(self._end_error(end).body())
-                    break
-                n += len(ids)
-                yield sse(self._chunk(ctx, delta, ids, finish, first=first))
-                first = False
-                if finish is not None:
-                    if ctx.include_usage:
-                        usage = {**self._chunk(ctx, "", [], None), "choices": [],
-                                 "usage": self._usage(ctx, end, n), **self._spec_metrics(end)}
-                        yield sse(usage)
-                    break
+            try:
+                n, first = 0, True
+                async for delta, ids, finish, end in self._events(job, ctx):
+                    if end is not None and end.reason == "error":
+                        yield sse(self._end_error(end, ctx).body())
+                        break
+                    n += len(ids)
+                    yield sse(self._chunk(ctx, delta, ids, finish, first=first))
+                    first = False
+                    if finish is not None:
+                        if ctx.include_usage:
+                            usage = {**self._chunk(ctx, "", [], None), "choices": [],
+                                     "usage": self._usage(ctx, end, n), **self._spec_metrics(end)}
+                            yield sse(usage)
+                        break
+            except Exception:  # the status is sent: the stream ends with an error event naming the request
+                log.exception("request %s failed while streaming", ctx.rid)
+                yield sse(APIError(500, f"internal error while streaming request {ctx.rid}; the server's log "
+                                        "has the details under that id", type="server_error").body())
             yield "data: [DONE]\n\n"
         finally:  # the client went away (Starlette cancels this generator), or a stop string ended it
             if not job.ended:

@@ -76,6 +76,7 @@ class Job:
     sent: int = 0
     reason: str | None = None  # why it was cancelled: "cancelled" | "timeout" | "stop"
     ended: bool = False
+    tenant: str = "anonymous"  # its tenant's label in the metrics
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -99,6 +100,7 @@ class EngineThread:
         if int(max_queue) != max_queue or max_queue < 0:
             raise ValueError(f"max_queue={max_queue}: must be an integer >= 0")
         self.sched, self.max_queue = sched, int(max_queue)
+        self.slots = sched.snapshot().slots
         self.on_chunk, self.on_end, self.on_ready = on_chunk, on_end, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -112,17 +114,17 @@ class EngineThread:
 
     @property
     def capacity(self) -> int:
-        return self.sched.b + self.max_queue
+        return self.slots + self.max_queue
 
     @property
     def running(self) -> int:
-        """Requests in a slot (read from any thread: a snapshot)."""
-        return sum(r is not None for r in list(self.sched.slots))
+        """Requests in a slot (read from any thread: the scheduler's snapshot)."""
+        return self.sched.snapshot().running
 
     @property
     def waiting(self) -> int:
         """Requests accepted and not yet in a slot: in the command queue or the scheduler's queue."""
-        return max(0, self.pending - len(self.jobs)) + len(self.sched.queue)
+        return max(0, self.pending - len(self.jobs)) + self.sched.snapshot().queued
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,7 +136,7 @@ class EngineThread:
             if not self.accepting:
                 raise NotAccepting("the server is " + ("draining" if self.ready.is_set() else "warming up"))
             if self.pending >= self.capacity:
-                raise QueueFull(f"{self.pending} requests in flight (slots {self.sched.b} + queue {self.max_queue})")
+                raise QueueFull(f"{self.pending} requests in flight (slots {self.slots} + queue {self.max_queue})")
             self.pending += 1
         self._cmds.put(("submit", job))
 
@@ -175,10 +177,10 @@ class EngineThread:
             self.accepting = True
         self.ready.set()
         while not (self._stop.is_set() and not self.jobs and self._cmds.empty()):
-            idle = not s.live
+            idle = not s.snapshot().live
             self._commands(block=idle)
             self._expire()
-            if s.live:
+            if s.snapshot().live:
                 try:
                     s.admit(on_insert=lambda _: self._publish())  # each first token as soon as it exists
                     s.step()
@@ -221,7 +223,7 @@ class EngineThread:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 left = t_end - time.perf_counter() if block else 0.0
-                if left <= 0 or len(self.jobs) >= self.sched.b:
+                if left <= 0 or len(self.jobs) >= self.slots:
                     break
                 try:
                     cmd = self._cmds.get(timeout=min(ADMIT_GAP_S, left))
@@ -243,7 +245,7 @@ class EngineThread:
         except Exception as e:
             self._end(job, End("error", f"{type(e).__name__}: {e}"))
             return
-        job.request = s.live[job.rid]
+        job.request = s.request(job.rid)
         self.jobs[job.rid] = job
 
     def _expire(self) -> None:

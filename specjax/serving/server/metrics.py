@@ -5,12 +5,14 @@ Speculation counters follow vLLM's and llama-server's schema (`spec_decode_num_d
 `spec_decode_num_accepted_tokens_per_pos{position}`; Prometheus adds `_total`), under the
 `specjax:` prefix as vLLM uses `vllm:`. Besides them: acceptance per task class, chunks per option
 (the fraction speculated), queue depth, running requests, TTFT / inter-token / end-to-end
-histograms (from each request's arrival), requests by finish reason, and memory as measured:
+histograms (from each request's arrival), requests by finish reason, per-tenant requests and
+tokens (the first `tenants` tenants to finish a request keep their own series, the rest are summed
+under "other", so a counter never moves between series), and memory as measured:
 the process's resident set, the device's bytes in use where the backend reports them, what
 loading the weights, the draft weights and the scheduler's caches and programs added to either,
 and per part (weights, draft weights, caches, n-gram table) the bytes the runtime reports for
-that part's device buffers (`jax.Array.on_device_size_in_bytes`: the allocation, padding
-included, not shape times dtype size).
+that part's device buffers (`Scheduler.memory_parts`: the allocation, padding included, not shape
+times dtype size). The scheduler is read through its snapshot (`Scheduler.snapshot`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from specjax.serving.server.engine_thread import End, EngineThread, Job
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6)
 MAX_TASK_LABELS = 64  # more distinct task classes than this are counted as "other"
+OTHER = "other"
 _TASK = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 
 
@@ -33,34 +36,6 @@ def device_bytes_in_use() -> int | None:
     """Bytes in use on the first local device, where the backend reports them (GPU, TPU)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else int(stats.get("bytes_in_use", 0))
-
-
-def on_device_bytes(leaves) -> int:
-    """The bytes the runtime reports for these arrays' device buffers (each counted once)."""
-    seen, total = set(), 0
-    for x in leaves:
-        if isinstance(x, jax.Array) and id(x) not in seen and not x.is_deleted():
-            seen.add(id(x))
-            total += int(x.on_device_size_in_bytes())
-    return total
-
-
-def memory_parts(sched) -> dict[str, int]:
-    """Device bytes of a prepared scheduler's parts, as the runtime reports them: the target's
-    weights, the draft weights (proposer parameters not shared with the target), the caches (the
-    batch state and the proposers' states, the n-gram table apart) and the n-gram table. Call it
-    from the thread that steps the scheduler (the batch state is donated at every step)."""
-    leaves = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    weights = leaves(sched.engine.params)
-    shared = {id(x) for x in weights}
-    model = sched.engine.model  # Medusa's LM head is the target's (as `Scheduler.memory` counts it)
-    shared |= {id(model.embed[...])} | (set() if sched.engine.config.tie_embeddings else {id(model.lm_head[...])})
-    draft = [x for x in leaves(sched.batch.pparams) if id(x) not in shared]
-    table = leaves(sched.state.table) if getattr(sched.state, "table", None) is not None else []
-    in_table = {id(x) for x in table}
-    caches = [x for x in leaves(sched.state) + leaves(sched.pstates) if id(x) not in in_table]
-    return dict(weights=on_device_bytes(weights), draft_weights=on_device_bytes(draft),
-                caches=on_device_bytes(caches), ngram_table=on_device_bytes(table))
 
 
 def memory_added(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -79,7 +54,7 @@ def memory_now() -> dict[str, int]:
 class Metrics:
     """The server's registry; `on_chunk` and `on_end` are the engine thread's hooks."""
 
-    def __init__(self, *, startup_memory: dict[str, int] | None = None):
+    def __init__(self, *, startup_memory: dict[str, int] | None = None, tenants: int = 16):
         disable_created_metrics()  # no `_created` series beside every counter (vLLM's exporter does the same)
         self.registry = r = CollectorRegistry()
         p = "specjax:"
@@ -116,6 +91,18 @@ class Metrics:
         self.parts = Gauge(p + "memory_device_buffer_bytes", "Bytes the runtime reports for each part's device "
                                                              "buffers (weights, draft_weights, caches, ngram_table)",
                            ["part"], registry=r)
+        t = ["tenant"]
+        self.tenant_requests = Counter(p + "tenant_requests", "Requests ended, per tenant and finish reason",
+                                       ["tenant", "finished_reason"], registry=r)
+        self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens", "Prompt tokens, per tenant", t, registry=r)
+        self.tenant_generation_tokens = Counter(p + "tenant_generation_tokens", "Generated tokens, per tenant", t,
+                                                registry=r)
+        self.tenant_draft_tokens = Counter(p + "tenant_spec_decode_num_draft_tokens",
+                                           "Draft tokens verified, per tenant", t, registry=r)
+        self.tenant_accepted = Counter(p + "tenant_spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted, per tenant", t, registry=r)
+        self.max_tenants = tenants
+        self._tenants: set[str] = set()  # tenants with their own series
         for stage, kinds in (startup_memory or {}).items():
             self.record_startup(stage, kinds)
         for kind in ("process_rss", "device_in_use"):
@@ -147,10 +134,17 @@ class Metrics:
             return "other"
         return t
 
+    def tenant_label(self, tenant: str) -> str:
+        """`tenant`'s series: its own for the first `max_tenants` tenants seen, then "other"."""
+        if tenant not in self._tenants and len(self._tenants) >= self.max_tenants:
+            return OTHER
+        self._tenants.add(tenant)
+        return tenant
+
     def on_chunk(self, et: EngineThread) -> None:
-        s = et.sched
-        if s.chunk_log and s.chunk_log[-1] is not self._last_chunk:  # a step runs one chunk at most
-            ch = self._last_chunk = s.chunk_log[-1]
+        ch = et.sched.snapshot().last_chunk
+        if ch is not None and ch is not self._last_chunk:  # a step runs one chunk at most
+            self._last_chunk = ch
             self.chunks.labels(option=ch.option).inc()
             self._all_chunks += 1
             self._spec_chunks += ch.option != "none"
@@ -158,10 +152,16 @@ class Metrics:
 
     def on_end(self, job: Job, end: End) -> None:
         self.finished.labels(finished_reason=end.reason).inc()
+        tenant = self.tenant_label(job.tenant)
+        self.tenant_requests.labels(tenant=tenant, finished_reason=end.reason).inc()
+        self.tenant_prompt_tokens.labels(tenant=tenant).inc(len(job.ids))
         req = end.request
         if req is None:
             return
         c = req.counters
+        self.tenant_generation_tokens.labels(tenant=tenant).inc(len(req.tokens))
+        self.tenant_draft_tokens.labels(tenant=tenant).inc(c.num_draft_tokens)
+        self.tenant_accepted.labels(tenant=tenant).inc(c.num_accepted_tokens)
         if c.num_drafts:
             self.drafts.inc(c.num_drafts)
             self.draft_tokens.inc(c.num_draft_tokens)

@@ -1,7 +1,10 @@
 """OpenAI-shaped requests and errors, and their validation into `Scheduler.submit` arguments.
 
-Everything here runs on the event loop before the request reaches the engine thread, and compiles
-nothing: a bad request gets one 400 (or 404 for an unknown model) saying what is wrong.
+`parse` turns a request body into a request model or one 400 saying what is wrong: invalid JSON,
+NaN / Infinity, nesting deeper than the JSON parser allows, integers past Python's digit limit, lone
+UTF-16 surrogates, and wrong types. Types are strict, as OpenAI's: a token count is an integer
+(`true`, `1.0` and `"1"` are not), a flag is a boolean, a message role is one of `ROLES`. Nothing
+here compiles anything; the server runs it off the event loop.
 
 Extensions beside the OpenAI fields (as vLLM and llama-server add theirs):
 - `top_k`: 0 = off.
@@ -13,13 +16,24 @@ Extensions beside the OpenAI fields (as vLLM and llama-server add theirs):
 - `contribute`: false keeps this request's text out of the cross-request n-gram table.
 - `timeout`: seconds from arrival; past it the request ends with finish_reason "timeout".
 - `return_token_ids`: the generated token ids beside the text (as vLLM's).
+
+Other top-level fields are ignored, as OpenAI-compatible servers do; `IGNORED` lists the OpenAI
+fields a client may send that this server accepts and does not act on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import sys
+from typing import Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+IGNORED = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "tools", "tool_choice",
+           "parallel_tool_calls", "functions", "function_call", "metadata", "store", "service_tier",
+           "reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "best_of", "suffix")
 
 
 class APIError(Exception):
@@ -39,18 +53,22 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class SpecRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     method: str
     k: int | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = None
@@ -73,10 +91,16 @@ class _Common(BaseModel):
     top_logprobs: int | None = None
 
 
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = _STRICT
+    role: Literal[ROLES]
+    content: str | list[ContentPart] | None = None
 
 
 class ChatRequest(_Common):
@@ -94,11 +118,56 @@ def message_text(m: ChatMessage, i: int) -> str:
         return m.content or ""
     parts = []
     for p in m.content:
-        if p.get("type") != "text":
-            raise bad(f"messages[{i}].content: only text parts are supported, got type {p.get('type')!r}",
-                      f"messages[{i}].content")
-        parts.append(str(p.get("text", "")))
+        if p.type != "text" or p.text is None:
+            raise bad(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                      f"supported, got type {p.type!r}", f"messages[{i}].content")
+        parts.append(p.text)
     return "".join(parts)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON; send numbers as finite decimals")
+
+
+def _check_text(obj) -> None:
+    """Refuses strings that are not Unicode text (a lone UTF-16 surrogate such as "\\ud800"): the
+    tokenizer and the response encoder cannot take them. Walks without recursion."""
+    stack = [(obj, "")]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"{where or 'a key'}: the string holds a lone UTF-16 surrogate "
+                          f"({x[e.start]!a} at character {e.start}); send valid Unicode", where or None) from None
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                stack += [(k, where), (v, f"{where}.{k}" if where else str(k))]
+        elif isinstance(x, list):
+            stack += [(v, f"{where}.{i}") for i, v in enumerate(x)]
+
+
+def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request model of a body, or one 400 naming what is wrong (see the module docstring)."""
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("the body nests deeper than the JSON parser allows; send a flat JSON object") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN / Infinity, the digit limit
+        if "integer string conversion" in str(e):
+            raise bad(f"the body has an integer of more than {sys.get_int_max_str_digits()} digits; no field "
+                      "takes one") from None
+        raise bad(f"the body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(obj, dict):
+        raise bad("the body must be a JSON object")
+    _check_text(obj)
+    try:
+        return model.model_validate(obj)
+    except pydantic.ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise bad(f"{loc}: {err['msg']}", loc or None) from None
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
