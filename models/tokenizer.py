@@ -165,7 +165,9 @@ class Tokenizer:
             add_bos: Prepend bos; defaults to the checkpoint's `add_bos`.
         """
         # The post-processor is bypassed so bos is added exactly once, here, whatever tokenizer.json says.
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not): a server tokenizing in a
+        # worker thread keeps its event loop running.
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids

@@ -144,6 +144,8 @@ class Server:
         self.keys = Keys(config.api_keys)
         self.tenants = TenantIds(MAX_TENANTS)
         self.max_prompt_chars = config.max_prompt_chars or self.bucket * longest_token_chars(self.tokenizer)
+        # a prompt of token ids, or messages (each costs a token at least), and room for the other fields
+        self.max_values = 4 * self.bucket + 4096
         self.metrics = Metrics(startup_memory=startup_memory, tenants=config.metrics_tenants)
         loaded = memory_now()
 
@@ -240,7 +242,7 @@ class Server:
 
     def _prepare(self, raw: bytes, kind: str) -> _Prepared:
         """In a worker thread: the body parsed and validated, the prompt tokenized (or 400 / 404)."""
-        body = protocol.parse(raw, ChatRequest if kind == "chat" else CompletionRequest)
+        body = protocol.parse(raw, ChatRequest if kind == "chat" else CompletionRequest, max_values=self.max_values)
         if body.model != self.config.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist: this server serves "
                                 f"{self.config.model_name!r}", type="not_found_error", param="model",

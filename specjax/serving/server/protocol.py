@@ -1,8 +1,8 @@
 """OpenAI-shaped requests and errors, and their validation into `Scheduler.submit` arguments.
 
 `parse` turns a request body into a request model or one 400 saying what is wrong: invalid JSON,
-NaN / Infinity, nesting deeper than the JSON parser allows, integers past Python's digit limit, lone
-UTF-16 surrogates, and wrong types. Types are strict, as OpenAI's: a token count is an integer
+NaN / Infinity, nesting deeper than the JSON parser allows, integers past Python's digit limit, more
+JSON values than a request can need, lone UTF-16 surrogates, and wrong types. Types are strict, as OpenAI's: a token count is an integer
 (`true`, `1.0` and `"1"` are not), a flag is a boolean, a message role is one of `ROLES`. Nothing
 here compiles anything; the server runs it off the event loop.
 
@@ -129,12 +129,17 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON; send numbers as finite decimals")
 
 
-def _check_text(obj) -> None:
-    """Refuses strings that are not Unicode text (a lone UTF-16 surrogate such as "\\ud800"): the
-    tokenizer and the response encoder cannot take them. Walks without recursion."""
-    stack = [(obj, "")]
+def _check_values(obj, limit: int) -> None:
+    """Refuses a body of more than `limit` JSON values (validating a huge list would hold the
+    interpreter for long) and strings that are not Unicode text (a lone UTF-16 surrogate such as
+    "\\ud800": the tokenizer and the response encoder cannot take them). Walks without recursion,
+    and stops at the limit."""
+    stack, n = [(obj, "")], 0
     while stack:
         x, where = stack.pop()
+        n += 1
+        if n > limit:
+            raise bad(f"the body holds more than {limit} JSON values; a request this server accepts needs fewer")
         if isinstance(x, str):
             try:
                 x.encode("utf-8")
@@ -145,11 +150,12 @@ def _check_text(obj) -> None:
             for k, v in x.items():
                 stack += [(k, where), (v, f"{where}.{k}" if where else str(k))]
         elif isinstance(x, list):
-            stack += [(v, f"{where}.{i}") for i, v in enumerate(x)]
+            stack += [(v, f"{where}.{i}") for i, v in enumerate(x[:limit])]
 
 
-def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """The request model of a body, or one 400 naming what is wrong (see the module docstring)."""
+def parse(raw: bytes, model: type[BaseModel], *, max_values: int) -> BaseModel:
+    """The request model of a body, or one 400 naming what is wrong (see the module docstring);
+    `max_values` bounds the JSON values (strings, numbers, lists, objects...) it may hold."""
     try:
         obj = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -161,7 +167,7 @@ def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise bad(f"the body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(obj, dict):
         raise bad("the body must be a JSON object")
-    _check_text(obj)
+    _check_values(obj, max_values)
     try:
         return model.model_validate(obj)
     except pydantic.ValidationError as e:
