@@ -384,7 +384,8 @@ def test_32_streams_half_cancelled_by_disconnect(served, reference, monkeypatch)
     cancelled = [r for r in ours if r.status == "cancelled"]
     assert len(cancelled) >= 8  # those that had not finished when their client left
     assert all(r.status in ("finished", "cancelled") for r in ours)
-    assert all(r.slot is None or sched.slots[r.slot] is not r for r in cancelled)
+    rows = sched.snapshot().rows
+    assert all(r.slot is None or rows[r.slot] is None or rows[r.slot].request != r.id for r in cancelled)
     assert len(sched.requests) <= 64 and len(sched.chunk_log) <= 64  # the bounded history
     assert not server.engine.jobs and server.engine._cmds.empty() and not sched.live
     m1 = scrape(url)
@@ -517,7 +518,7 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
     run_loop, failed = sched.batch.run, []
 
     def device_error(*a, **kw):  # once all four are running, one chunk fails as a device error would
-        if not failed and all(r is not None for r in sched.slots):
+        if not failed and sched.snapshot().running == sched.b:
             failed.append(1)
             raise RuntimeError("XLA device lost")
         return run_loop(*a, **kw)
@@ -828,7 +829,14 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
 
     first = [s.submit(x) for x in ids[:2]]
     later = s.submit(ids[2])
+    snap = s.snapshot()
+    assert (snap.slots, snap.queued, snap.live, snap.running, snap.idle) == (4, 3, 3, 0, False)
     s.step()  # admits all three, runs a chunk
+    snap = s.snapshot()
+    assert (snap.queued, snap.live, snap.running) == (0, 3, 3) and snap.last_chunk is s.chunk_log[-1]
+    rows = [r for r in snap.rows if r is not None]
+    assert sorted(r.request for r in rows) == sorted([*first, later]) and rows[0].slot == 0
+    assert all(r.status == "running" and r.tokens >= 1 for r in rows)
     run_loop = s.batch.run
     monkeypatch.setattr(s.batch, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):

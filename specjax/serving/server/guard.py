@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from specjax.serving.server.protocol import APIError
@@ -49,6 +49,8 @@ class RequestIds:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client left while sending its body: no one to answer
+            log.info("request %s (%s %s): the client disconnected", rid, scope.get("method"), scope.get("path"))
         except Exception:
             log.exception("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"))
             if started:  # the status is sent: the response is cut short

@@ -1,10 +1,11 @@
 """OpenAI-shaped requests and errors, and their validation into `Scheduler.submit` arguments.
 
 `parse` turns a request body into a request model or one 400 saying what is wrong: invalid JSON,
-NaN / Infinity, nesting deeper than the JSON parser allows, integers past Python's digit limit, more
-JSON values than a request can need, lone UTF-16 surrogates, and wrong types. Types are strict, as OpenAI's: a token count is an integer
-(`true`, `1.0` and `"1"` are not), a flag is a boolean, a message role is one of `ROLES`. Nothing
-here compiles anything; the server runs it off the event loop.
+NaN / Infinity, nesting deeper than the JSON parser allows, integers past Python's digit limit,
+more JSON values than a request can need, lone UTF-16 surrogates, and wrong types. Types are
+strict, as OpenAI's: a token count is an integer (`true`, `1.0` and `"1"` are not), a flag is a
+boolean, a message role is one of `ROLES`. Nothing here compiles anything; the server runs it off
+the event loop.
 
 Extensions beside the OpenAI fields (as vLLM and llama-server add theirs):
 - `top_k`: 0 = off.
