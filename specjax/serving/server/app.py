@@ -277,6 +277,8 @@ class Server:
 
     def _task(self, task: str | None) -> str | None:
         """The task class; past MAX_TASKS distinct ones, "other" (per-class statistics stay bounded)."""
+        if task is not None and len(task) > 64:
+            raise bad("task (or the X-Task header): at most 64 characters", "task")
         if task is not None and task not in self._task_names:
             if len(self._task_names) >= MAX_TASKS:
                 return "other"
@@ -322,8 +324,6 @@ class Server:
             raise bad(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         if len(set(stop_ids) | set(s.engine.stop_ids(opts))) > 8:
             raise bad("stop_token_ids: at most 8 stop tokens, the model's own included", "stop_token_ids")
-        if body.task is not None and len(body.task) > 64:
-            raise bad("task: at most 64 characters", "task")
         kw = dict(max_new_tokens=m, contribute=body.contribute, temperature=body.temperature, top_k=body.top_k,
                   top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
                   stream=None if body.seed is None else 0)  # a seed names the whole random stream
