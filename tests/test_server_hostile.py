@@ -85,6 +85,7 @@ def test_malformed_requests_get_400_naming_the_field(served):
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 1e999}', "top_p"),
         (b'{"model": "tiny", "user": "\\udfff", "messages": [{"role": "user", "content": "x"}]}', "user"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "meta": {"\\udfff": "\\ud800"}}', None),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}]}\xff', None),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]},
          "messages[0].content"),

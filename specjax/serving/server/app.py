@@ -40,7 +40,7 @@ from specjax.serving.scheduler import Scheduler
 from specjax.serving.server import protocol
 from specjax.serving.server.auth import Keys, TenantIds
 from specjax.serving.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
-from specjax.serving.server.guard import RequestIds, read_body, request_id
+from specjax.serving.server.guard import RequestIds, error_response, read_body, request_id
 from specjax.serving.server.metrics import Metrics, memory_added, memory_now
 from specjax.serving.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
@@ -197,7 +197,7 @@ class Server:
     async def _error(self, request, exc: APIError):
         (log.warning if exc.status >= 500 else log.info)("request %s: %d %s", request_id(request), exc.status,
                                                          exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(exc)
 
     # ---- plain routes -------------------------------------------------------------------------
     async def health(self, request):
@@ -441,7 +441,7 @@ class Server:
                 "created": ctx.created, "model": self.config.model_name, "choices": [choice]}
 
     async def _sse(self, job: Job, ctx: _Ctx):
-        sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii='error' in obj)}\n\n"  # errors may quote input
         try:
             try:
                 n, first = 0, True

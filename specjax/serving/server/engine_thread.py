@@ -108,6 +108,7 @@ class EngineThread:
         self.jobs: dict[int, Job] = {}  # by request id; the engine thread's own
         self.ready = threading.Event()  # compiled and warmed up
         self.accepting = False
+        self._drained = False  # `drain` was called: never accept again
         self.startup_error: BaseException | None = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, name="specjax-engine", daemon=True)
@@ -147,7 +148,7 @@ class EngineThread:
     def drain(self) -> None:
         """Stops accepting new requests; those in flight continue."""
         with self._lock:
-            self.accepting = False
+            self.accepting, self._drained = False, True
 
     def stop(self, timeout: float | None = None) -> None:
         """Drains, cancels what is still in flight after `timeout` seconds, and ends the thread."""
@@ -174,7 +175,7 @@ class EngineThread:
             self.startup_error = e
             return
         with self._lock:
-            self.accepting = True
+            self.accepting = not self._drained  # a drain during the warm-up holds
         self.ready.set()
         while not (self._stop.is_set() and not self.jobs and self._cmds.empty()):
             idle = not s.snapshot().live

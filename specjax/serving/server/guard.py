@@ -10,15 +10,23 @@ Content-Length, or as soon as a chunked body passes the limit.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from specjax.serving.server.protocol import APIError
 
 log = logging.getLogger("specjax.serving.server")
+
+
+def error_response(exc: APIError) -> Response:
+    """The error as OpenAI's JSON body, ASCII-escaped: a message quoting odd client input (a key
+    with a lone surrogate) still encodes."""
+    return Response(json.dumps(exc.body(), ensure_ascii=True), status_code=exc.status, headers=exc.headers,
+                    media_type="application/json")
 
 
 def request_id(request: Request) -> str:
@@ -57,7 +65,7 @@ class RequestIds:
                 return
             err = APIError(500, f"internal error while handling request {rid}; the server's log has the details "
                                 "under that id", type="server_error")
-            await JSONResponse(err.body(), status_code=500)(scope, receive, send_with_id)
+            await error_response(err)(scope, receive, send_with_id)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
