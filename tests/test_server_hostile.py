@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import threading
 import time
 
 import httpx
