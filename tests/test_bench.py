@@ -129,10 +129,10 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
                         rngs=nnx.Rngs(0))
     eng = Engine(tiny_model, heads=heads)
-    auto = loadbench.with_assets(eng, ControllerConfig(ks=(0, 2, 8)))
+    auto = ControllerConfig(ks=(0, 2, 8)).with_assets(eng.assets)
     assert [o.label for o in auto.options] == ["none", "ngram:2", "ngram:8", "medusa:2"]
     tree = SpecConfig(method="medusa", tree="small")
-    auto = loadbench.with_assets(eng, ControllerConfig(ks=(0, 4)), {"medusa": tree})
+    auto = ControllerConfig(ks=(0, 4)).with_assets(eng.assets, {"medusa": tree})
     assert auto.options[-2:] == (SpecConfig(method="medusa", k=4), tree)
     assert auto.options[-1].label == f"medusa-tree:{tree.k}"
 

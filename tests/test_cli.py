@@ -1,11 +1,11 @@
-"""`specjax.cli.commands`: flags onto specs and options, each command's checks before any model loads, the
+"""`specjax.cli`: flags onto specs and options (each method's record's flags), each command's checks before any model loads, the
 commands end to end on the tiny random model (Engine.load replaced), and the CLI's compilation cache."""
 
 import json
 
 import pytest
 
-from specjax.cli import commands as cli
+from specjax.cli import commands as cli, specs
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine
 
@@ -28,7 +28,7 @@ from specjax.serving.engine import Engine
 ])
 def test_generate_flags_make_their_spec(argv, want):
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", *argv])
-    assert cli._spec(args) == want
+    assert specs.spec_of(args, args.method, strict=True) == want
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -46,6 +46,29 @@ def test_generate_bad_flags_fail_before_loading(argv, match, monkeypatch, capsys
     assert cli.main(["generate", "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err, err
+
+
+def test_a_method_contributes_its_flags_from_its_record(monkeypatch, capsys):
+    """A record's `Flag`s reach every command that takes a method and set their option; the bound
+    is checked before any model loads. Nothing in the CLI names the method."""
+    from specjax.methods import registry
+    from specjax.methods.ngram.proposer import NgramProposer
+
+    toy = registry.Record("toy", NgramProposer.from_spec, flags=(
+        registry.Flag("--toy-longest", "ngram_max", int, "toy: longest n-gram", min=2),))
+    monkeypatch.setitem(registry.RECORDS, "toy", toy)
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--method", "toy", "--toy-longest", "5"])
+    assert specs.spec_of(args, "toy", strict=True) == SpecConfig(method="toy", k=4, ngram_max=5)
+    for command in (["bench"], ["loadbench"], ["serve"]):
+        assert parser.parse_args([*command, "--toy-longest", "4"]).toy_longest == 4
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["generate", "--prompt", "x", "--method", "toy", "--toy-longest", "1"]) == 2
+    assert "--toy-longest=1: must be >= 2" in capsys.readouterr().err
+    clash = registry.Record("clash", NgramProposer.from_spec, flags=(registry.Flag("--toy-longest", "k", int),))
+    monkeypatch.setitem(registry.RECORDS, "clash", clash)
+    with pytest.raises(ValueError, match="one flag, one option"):
+        registry.flags()
 
 
 # ---- the commands end to end on the tiny random model ------------------------------------------------
@@ -172,13 +195,13 @@ def test_bench_spec_of_every_method_label(tiny_model):
     from specjax.models.eagle import EagleConfig, EagleHead
 
     args = cli.build_parser().parse_args(["bench", "--k", "3", "--tree", "small"])
-    specs = {m: cli._bench_spec(m, args) for m in offline.OFFLINE_METHODS}
-    assert specs["none"].method == "none" and specs["ngram"].k == 3 and specs["draft"].tree is None
-    assert specs["medusa"].tree == TREES["small"] and specs["eagle"] is None and specs["eagle-tree"] is None
+    by_label = {m: specs.bench_spec(args, m) for m in offline.OFFLINE_METHODS}
+    assert by_label["none"].method == "none" and by_label["ngram"].k == 3 and by_label["draft"].tree is None
+    assert by_label["medusa"].tree == TREES["small"] and by_label["eagle"] is None and by_label["eagle-tree"] is None
     eng = Engine(tiny_model)
     eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
                   np.arange(64))
-    chain, tree = cli._bench_spec("eagle", args, eng), cli._bench_spec("eagle-tree", args, eng)
+    chain, tree = specs.bench_spec(args, "eagle", eng), specs.bench_spec(args, "eagle-tree", eng)
     assert (chain.method, chain.k, chain.nodes) == ("eagle", 3, 0)
     assert (tree.method, tree.k, tree.nodes, tree.topk) == ("eagle", 3, 16, 4)  # untuned head: the defaults
 

@@ -295,11 +295,3 @@ def telemetry_rows(req_rows: list[dict]) -> list[dict]:
                if r["method"] == m and r["concurrency"] == c]
         out += telemetry.records(sel, method=m, concurrency=c)
     return out
-
-
-def with_assets(engine, auto: ControllerConfig, given: dict[str, SpecConfig] | None = None) -> ControllerConfig:
-    """Adds to the auto controller's options what the engine's loaded assets allow (each record's
-    `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree), as `SpecConfig`s in
-    `extra`; `given` maps a method to the spec given for it (a Medusa tree)."""
-    extra = tuple(SpecConfig(**f) for f in registry.auto_options(engine.assets, auto.ks, given))
-    return dataclasses.replace(auto, extra=tuple(dict.fromkeys(auto.extra + extra)))

@@ -44,6 +44,15 @@ TREES: dict[str, Tree] = {
 HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
 
 
+def parse_tree(text: str | None) -> Tree | str | None:
+    """A `--tree` flag: a name (kept as is, resolved by `SpecConfig`) or paths as JSON."""
+    if text is not None and text.lstrip().startswith("["):
+        import json
+
+        return tuple(tuple(p) for p in json.loads(text))
+    return text
+
+
 def chain(k: int) -> Tree:
     return tuple((0,) * i for i in range(1, k + 1))
 

@@ -8,17 +8,9 @@ import functools
 from specjax.core.ngram_table import TableConfig
 from specjax.methods import registry
 from specjax.core.tree import HEADS_TREE, MAX_TREE_NODES, TREES, Tree, chain, validate_tree  # noqa: F401 (re-exported)
+from specjax.core.tree import parse_tree  # noqa: F401 (re-exported)
 
 MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
-
-
-def parse_tree(text: str | None) -> Tree | str | None:
-    """A `--tree` flag: a name (kept as is, resolved by `SpecConfig`) or paths as JSON."""
-    if text is not None and text.lstrip().startswith("["):
-        import json
-
-        return tuple(tuple(p) for p in json.loads(text))
-    return text
 
 
 @functools.total_ordering

@@ -21,7 +21,7 @@ from specjax.methods.draft.proposer import DraftModelProposer
 from specjax.methods.eagle.proposer import EagleProposer
 from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer
 from specjax.methods.ngram.proposer import NgramProposer
-from specjax.core.tree import HEADS_TREE
+from specjax.core.tree import HEADS_TREE, parse_tree
 
 
 @dataclasses.dataclass
@@ -49,6 +49,44 @@ def _no_checks(spec) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Flag:
+    """A command-line flag that sets one of a method's options (`Record.flags`).
+
+    The CLI adds every method's flags to each command that takes a method (`specjax.cli.flags`),
+    each flag once (methods that share an option, as a tree, declare the same flag), and sets
+    `field` from the value given; a flag left out leaves the option at its default. Adding an
+    option to a method is one `Flag` in its record.
+
+    Attributes:
+      name: the flag, e.g. "--ngram-min".
+      field: the option it sets, by name: a `SpecConfig` field (or a field of the method's own
+        options, once a method has its own options dataclass).
+      type: parses the text given (argparse's `type`: int, `parse_tree`).
+      help: one line for `--help`; says the default.
+      min: the least value taken, checked before any model loads (None: no bound).
+      tree: the option shapes a tree (EAGLE's nodes and top-k): a method with tuned settings runs
+        its tuned tree when such a flag is given, and its chain ignores it.
+    """
+
+    name: str
+    field: str
+    type: Callable[[str], Any] = str
+    help: str = ""
+    min: int | None = None
+    tree: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the value under ("--ngram-min" -> "ngram_min")."""
+        return self.name.lstrip("-").replace("-", "_")
+
+
+# `--k`, an option of every method (`SpecConfig.k`)
+K_FLAG = Flag("--k", "k", int, min=1,
+              help="drafted tokens per step (default 4; eagle: the head's tuned chain, or tree depth)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Record:
     """A method, as the hosts see it.
 
@@ -65,8 +103,9 @@ class Record:
         assets: the `SpecConfig` fields of each option (a chain, a tree); `ks` are the
         controller's lengths, `given` the spec the user gave for this method (or None). None: the
         controller's `methods` cover it.
-      flag, flag_value: the command-line flag that gives the method's asset and what it takes
-        (None: the method needs none).
+      flags: the command-line flags of its options (`Flag`); `--k` is every method's (`K_FLAG`).
+      flag, flag_value, flag_help: the command-line flag that gives the method's asset, what it
+        takes (for error messages) and its help (None: the method needs none).
       shipped: `(model name) -> path | None`, the asset shipped for a model (None: none ship, so
         the flag must be given).
       load: `(engine, path) -> None`, loads the asset at `path` ("default": the shipped one) into
@@ -79,8 +118,10 @@ class Record:
     check: Callable[[Any], None] = _no_checks
     tuned: Callable[[Assets, bool], dict] | None = None
     auto: Callable[[Assets, tuple[int, ...], Any], list[dict]] | None = None
+    flags: tuple[Flag, ...] = ()
     flag: str | None = None
     flag_value: str = "DIR"
+    flag_help: str = ""
     shipped: Callable[[str], Any] | None = None
     load: Callable[[Any, str], None] | None = None
 
@@ -135,14 +176,27 @@ def _heads_tree(assets: Assets):
 
 NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names
 RECORDS: dict[str, Record] = {r.name: r for r in (
-    Record(NGRAM, NgramProposer.from_spec, options=("ngram_table",), check=_check_ngram),
+    Record(NGRAM, NgramProposer.from_spec, options=("ngram_table",), check=_check_ngram, flags=(
+        Flag("--ngram-min", "ngram_min", int, "ngram: shortest n-gram tried (default 1)"),
+        Flag("--ngram-max", "ngram_max", int, "ngram: longest n-gram tried (default 3)"))),
     Record(DRAFT, DraftModelProposer.from_spec, flag="--draft-model",
-           flag_value="NAME (a model with the target's vocabulary)"),
+           flag_value="NAME (a model with the target's vocabulary)", flag_help="draft model for --method draft"),
     Record(MEDUSA, MedusaProposer.from_spec, options=("tree",), auto=_medusa_auto, flag="--heads",
-           shipped=heads_io.shipped_heads_dir, load=lambda engine, path: engine.load_heads(path)),
+           flag_help="Medusa heads directory for --method medusa (default: the heads shipped for the model)",
+           shipped=heads_io.shipped_heads_dir, load=lambda engine, path: engine.load_heads(path), flags=(
+               Flag("--tree", "tree", parse_tree,
+                    "Medusa candidate tree: a name (chain4, small, medium; heads = the tree tuned with the "
+                    "heads) or paths as JSON, e.g. '[[0],[1],[0,0]]'; default: a chain of --k heads"),)),
     Record(EAGLE, EagleProposer.from_spec, options=("nodes", "draft_vocab"), tuned=_eagle_tuned,
            auto=_eagle_auto, flag="--eagle", shipped=eagle_io.shipped_eagle_dir,
-           load=lambda engine, path: engine.load_eagle(path)),
+           flag_help="EAGLE head directory for --method eagle (default: the head shipped for the model)",
+           load=lambda engine, path: engine.load_eagle(path), flags=(
+               Flag("--nodes", "nodes", int, "eagle: nodes of the dynamic tree built each step (--k is its "
+                    "depth; default: a chain). Unset values come from the head's tuning (tune-heads --eagle)",
+                    min=0, tree=True),
+               Flag("--topk", "topk", int, "eagle trees: children per expanded node", min=1, tree=True),
+               Flag("--draft-vocab", "draft_vocab", int,
+                    "eagle: propose from the head's N most frequent tokens (default: as tuned)", min=1))),
 )}
 
 
@@ -169,6 +223,18 @@ def check(spec) -> None:
             raise ValueError(f"{field}= applies to method {' or '.join(map(repr, owners))} only")
     if spec.method != "none":
         RECORDS[spec.method].check(spec)
+
+
+def flags() -> tuple[Flag, ...]:
+    """`K_FLAG`, then every method's option flags, each once (methods that share an option
+    declare the same flag, setting the same field)."""
+    out = {K_FLAG.name: K_FLAG}
+    for rec in RECORDS.values():
+        for f in rec.flags:
+            if out.setdefault(f.name, f).field != f.field:
+                raise ValueError(f"{f.name} of method {rec.name!r} sets {f.field!r}, another method's sets "
+                                 f"{out[f.name].field!r}: one flag, one option")
+    return tuple(out.values())
 
 
 def base(label: str) -> str:

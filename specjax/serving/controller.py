@@ -68,8 +68,7 @@ class ControllerConfig:
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
-        some K suit a method, or a tree (`specjax.bench.load.with_assets` adds them from the loaded
-        assets' records).
+        some K suit a method, or a tree (`with_assets` adds them from the loaded assets' records).
       max_step_cost: a bound on inter-token latency: options whose step costs more than this many
         plain steps at the chunk's batch size are never chosen (None: no bound). A verify step
         that is 1.3x a plain step at batch 1 can be 2-4x at batch 16 on a compute-bound machine;
@@ -107,6 +106,14 @@ class ControllerConfig:
             raise ValueError(f"probe_every={self.probe_every}: must be >= 1")
         if self.max_step_cost is not None and not self.max_step_cost >= 1:
             raise ValueError(f"max_step_cost={self.max_step_cost}: must be >= 1 (plain steps)")
+
+    def with_assets(self, assets: registry.Assets,
+                    given: dict[str, SpecConfig] | None = None) -> "ControllerConfig":
+        """These settings with the options the loaded `assets` allow added to `extra` (each record's
+        `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree, as `SpecConfig`s);
+        `given` maps a method to the spec given for it (a Medusa tree)."""
+        extra = tuple(SpecConfig(**f) for f in registry.auto_options(assets, self.ks, given))
+        return dataclasses.replace(self, extra=tuple(dict.fromkeys(self.extra + extra)))
 
     @property
     def options(self) -> tuple[SpecConfig, ...]:

@@ -1,0 +1,141 @@
+"""`specjax generate`: text from prompts (streamed, or --json records); with `--method auto`, auto
+and plain decoding in turns on the same prompts (`specjax.bench.auto_vs_plain`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specjax.bench.prompts import Prompt
+from specjax.cli import flags, specs
+
+# `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
+# look up (a configuration file names its service, ports and paths again and again) and cannot where
+# every sentence is new (an open question): there auto falls back to plain decoding.
+DEMO_PROMPTS = (
+    Prompt(id="demo-config", task="configuration request",
+           text="Write a docker-compose.yml for a service called ledger (image node:20, port 3000) with Redis."),
+    Prompt(id="demo-question", task="open question", text="What makes a code review useful?"),
+)
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text (streams, or --json records)")
+    flags.add_model(g)
+    flags.add_mesh(g)
+    flags.add_sampling(g)
+    flags.add_methods(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
+    flags.add_prompt_selection(g)
+    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    g.add_argument("--demo", action="store_true",
+                   help="two built-in prompts instead of --prompt: a configuration request (where "
+                        "speculation pays) and an open question (where auto falls back to plain)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="auto: runs of auto and of plain, in turns, behind the speedup's spread (default 3)")
+    g.add_argument("--auto-methods", default=None,
+                   help=f"auto: comma-separated proposers it may choose from ({','.join(specs.auto_methods())}; "
+                        "default: prompt lookup, and the Medusa heads and EAGLE head shipped for the model)")
+    g.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace):
+    """Everything checked before the model loads; returns the generation options."""
+    from specjax.serving.engine import GenerateOptions
+
+    opts = GenerateOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    opts.validate()
+    specs.spec_of(args, args.method, strict=True)  # a method without tuning: its spec holds
+    specs.check_flags(args)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
+    if args.method not in ("none", "auto"):
+        specs.check_given(args, [args.method], how=specs.NEEDS_FLAG)
+    if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
+        raise ValueError("--repeats and --auto-methods are for --method auto")
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    from specjax.serving.engine import Engine
+
+    opts = _check(args)
+    prompts = flags.prompts_of(args, DEMO_PROMPTS)
+    if args.method == "auto":
+        return run_auto(args, opts, prompts)
+    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
+    if args.method != "none":
+        specs.load_assets(engine, args, [args.method])
+    spec = specs.spec_of(args, args.method, strict=True, engine=engine)
+    texts = [p.text for p in prompts]
+    b = engine.rows_for(min(args.batch_size, len(prompts)))
+    engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
+    for i in range(0, len(texts), b):
+        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i)
+        if args.json:
+            for p, res in zip(prompts[i:i + b], batch.run()):
+                print(json.dumps({"id": p.id, "task": p.task, **res.to_dict()}, ensure_ascii=False), flush=True)
+        elif batch.n_real == 1:
+            _stream(engine, batch)
+        else:
+            for p, res in zip(prompts[i:i + b], batch.run()):
+                print(f"--- {p.id} ---\n{res.text}")
+    return 0
+
+
+def _stream(engine, batch) -> None:
+    """One prompt's text as it decodes, then its figures on stderr."""
+    dec = engine.tokenizer.decode_stream(skip_special=True)
+    for new in batch.stream(chunk=4):
+        sys.stdout.write(dec.push(new[0]))
+        sys.stdout.flush()
+    res = batch.results()[0]
+    sys.stdout.write(dec.flush() + "\n")
+    sys.stdout.flush()
+    print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, tau {res.tau:.2f}, "
+          f"ttft {res.ttft_s * 1e3:.0f} ms, compile {res.compile_s:.1f} s]", file=sys.stderr)
+
+
+def run_auto(args: argparse.Namespace, opts, prompts: list[Prompt]) -> int:
+    """`--method auto`: the prompts through the scheduler with the adaptive controller (prompt lookup
+    with the cross-request table, and the heads shipped for the model, or the `--auto-methods`
+    given), and with speculation off, in turns (`--repeats` pairs, compile excluded); prints auto's
+    speedup per task class with its spread, or that auto decoded plain throughout and claims none."""
+    from specjax.bench import auto_vs_plain
+    from specjax.serving.engine import Engine
+
+    chosen = specs.chosen_auto_methods(args.auto_methods)
+    repeats = 3 if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats}: must be >= 1")
+    engine = Engine.load(args.model, dtype=args.dtype, mesh=flags.mesh_arg(args))
+    specs.load_auto_assets(engine, args, chosen)
+    ccfg = specs.auto_controller(engine, chosen)
+    show = len(prompts) == 1 and not args.json
+    dec = engine.tokenizer.decode_stream(skip_special=True) if show else None
+    seen = [0]
+
+    def stream(tokens: list[int]) -> None:
+        sys.stdout.write(dec.push(tokens[seen[0]:]))
+        sys.stdout.flush()
+        seen[0] = len(tokens)
+
+    runs = auto_vs_plain.run(engine, prompts, opts, ccfg, slots=min(args.batch_size, len(prompts)),
+                             repeats=repeats, chat=args.chat, stream=stream if show else None, log=flags.log)
+    decode = lambda toks: engine.tokenizer.decode(toks, skip_special=True)
+    if args.json:
+        for rec in auto_vs_plain.records(runs, decode):
+            print(json.dumps(rec, ensure_ascii=False), flush=True)
+        return 0
+    if show:
+        sys.stdout.write(dec.flush() + "\n")
+    else:
+        for p, a in zip(prompts, runs.auto[0]):
+            print(f"--- {p.id} ({p.task}) ---\n{decode(a.tokens)}", flush=True)
+    for rep in auto_vs_plain.by_task(runs):
+        flags.log(rep.text())
+    return 0
