@@ -73,10 +73,11 @@ def roofline(eng: Engine, batch: int, prompt_len: int, max_new: int, bandwidth: 
     all S slots of the position-indexed cache, masked)."""
     rows = eng.rows_for(batch)
     dec, _ = eng.build_decoder(SpecConfig(), prompt_bucket=eng.bucket_for(prompt_len), max_new_tokens=max_new)
-    mem = sharding.memory_report(eng, batch=rows, cache_length=dec.cache_length)
-    step_bytes = mem["weights"] + mem["cache"]
-    return dict(batch=batch, rows=rows, weights_bytes_per_device=mem["weights"],
-                cache_bytes_per_device=mem["cache"], bytes_per_step=step_bytes,
+    weights = sharding.memory_report(eng, batch=rows, cache_length=dec.cache_length).parts["weights"]
+    cache = sharding.cache_bytes_per_device(eng.config, rows, dec.cache_length, eng.mesh)  # the target's alone
+    step_bytes = weights + cache
+    return dict(batch=batch, rows=rows, weights_bytes_per_device=weights,
+                cache_bytes_per_device=cache, bytes_per_step=step_bytes,
                 roofline_ms_per_step=round(step_bytes / bandwidth * 1e3, 4),
                 roofline_tok_s=round(batch * bandwidth / step_bytes, 1))
 

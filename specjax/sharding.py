@@ -450,22 +450,24 @@ def cache_bytes_per_device(config, batch: int, length: int, mesh: Mesh | None) -
     return 2 * config.num_layers * (batch // dp) * length * k * config.head_dim * item
 
 
-def memory_report(engine, *, batch: int, cache_length: int) -> dict:
-    """Bytes per device of the target's weights, the draft's, the heads', and the KV caches for a batch:
-    from the layout, identical to what the placed arrays hold (tested)."""
+def memory_report(engine, *, batch: int, cache_length: int):
+    """The `specjax.memory.Report` of an engine's batch planned on its mesh: bytes per device of the
+    target's weights, the draft's (a draft model, Medusa heads) and the KV caches (the target's,
+    and a draft model's), from the layout alone; identical to what the placed arrays hold (tested)."""
+    from specjax import memory
+
     mesh = engine.mesh
     one = mesh if mesh is not None else make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    out = dict(mesh=describe(one), weights=param_bytes_per_device(engine.params, one,
-                                                                    kv_heads=engine.config.num_kv_heads),
-               cache=cache_bytes_per_device(engine.config, batch, cache_length, mesh))
+    parts = dict(weights=param_bytes_per_device(engine.params, one, kv_heads=engine.config.num_kv_heads),
+                 draft_weights=0, caches=cache_bytes_per_device(engine.config, batch, cache_length, mesh))
     if engine.draft is not None:
         _, dstate = nnx.split(engine.draft)
-        out.update(draft=param_bytes_per_device(dstate, one, kv_heads=engine.draft.config.num_kv_heads),
-                   draft_cache=cache_bytes_per_device(engine.draft.config, batch, cache_length, mesh))
+        parts["draft_weights"] += param_bytes_per_device(dstate, one, kv_heads=engine.draft.config.num_kv_heads)
+        parts["caches"] += cache_bytes_per_device(engine.draft.config, batch, cache_length, mesh)
     if engine.heads is not None:
         _, hstate = nnx.split(engine.heads.module)
-        out["heads"] = param_bytes_per_device(hstate, one)
-    return out
+        parts["draft_weights"] += param_bytes_per_device(hstate, one)
+    return memory.planned(parts, devices=one.size, mesh=describe(one))
 
 
 def top_k(x, k: int):

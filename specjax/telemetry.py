@@ -78,7 +78,7 @@ class ChunkRecord:
     start_s: float  # from the run's start
     seconds: float
     option: str  # the option's `SpecConfig.label`: "none", "ngram:4", "medusa-tree:3", ...
-    reason: str  # "fixed" | "gain" | "no_gain" | "opt_out" | "probe" | "idle"
+    reason: str  # why (`specjax.serving.controller.Reason`)
     expected_gain: float  # the controller's expected throughput over plain
     rows: int  # active rows
     tasks: dict[str, int]  # active rows per task class
@@ -149,57 +149,6 @@ def records(requests: Iterable[dict], **labels) -> list[dict]:
         out.append({"kind": "aggregate", **labels, "task": t, "requests": len(sel),
                     **aggregate(sel).to_dict()})
     return out
-
-
-def reset_peak_memory() -> bool:
-    """Starts a new span for `peak_memory` where the platform allows it: on Linux, the process's
-    resident high-water mark is reset (`/proc/self/clear_refs`). A device's peak cannot be reset
-    from JAX: it stays the peak since the process started. Returns whether the reset happened."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_memory() -> dict:
-    """The measured peak memory of this process, as `peak_mem_bytes` and `peak_mem_source`.
-
-    Where the backend keeps memory statistics (GPU, TPU), the largest `peak_bytes_in_use` over the
-    local devices ("device"); elsewhere (CPU, where the arrays live in host memory) the process's
-    peak resident set ("rss"): since the last `reset_peak_memory`, or since the process started.
-    Unlike a sum of array sizes, this includes XLA's temporaries and everything else the process
-    holds.
-    """
-    import jax
-
-    peaks = []
-    for d in jax.local_devices():
-        try:
-            stats = d.memory_stats()
-        except Exception:  # backends without the call raise rather than return None
-            stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    if peaks:
-        return dict(peak_mem_bytes=max(peaks), peak_mem_source="device")
-    return dict(peak_mem_bytes=_peak_rss_bytes(), peak_mem_source="rss")
-
-
-def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # bytes on macOS, KiB elsewhere
 
 
 def write_jsonl(path: str | pathlib.Path, rows: Iterable[dict], *, append: bool = False) -> None:

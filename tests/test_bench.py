@@ -12,8 +12,8 @@ from specjax.bench.load import LoadPlan
 from specjax.bench.prompts import Prompt
 
 FIELDS = {"method", "concurrency", "task", "tau", "speedup_vs_none", "throughput_tok_s", "ttft_p50_s",
-          "itl_p50_s", "itl_p99_s", "peak_mem_bytes", "arrays_bytes", "greedy_identical", "target_weight_bytes",
-          "draft_weight_bytes", "cache_bytes"}
+          "itl_p50_s", "itl_p99_s", "peak_mem_bytes", "arrays_bytes", "greedy_identical", "weights_bytes",
+          "draft_weights_bytes", "caches_bytes", "ngram_table_bytes", "memory"}
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,12 @@ def test_records(results):
         assert FIELDS <= set(r)
         assert r["greedy_identical"] is True and r["greedy_identical_n"] == r["requests"]
         assert r["tau"] >= 1.0 and r["throughput_tok_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"]
-        assert r["arrays_bytes"] == (r["target_weight_bytes"] + r["draft_weight_bytes"] + r["cache_bytes"]
+        assert r["arrays_bytes"] == (r["weights_bytes"] + r["draft_weights_bytes"] + r["caches_bytes"]
                                      + r["ngram_table_bytes"])
         # measured, not summed: on CPU the run's peak resident set holds the arrays and more
         assert r["peak_mem_source"] == "rss" and r["peak_mem_bytes"] > r["arrays_bytes"]
+        programs, measured = r["memory"]["programs"], r["memory"]["measured"]
+        assert programs["count"] > 0 and measured["peak_rss_bytes"] == r["peak_mem_bytes"]
         assert (r["ngram_table_bytes"] > 0) == (r["method"] != "none")  # prompt lookup's shared table
         if r["method"] == "none":
             assert r["speedup_vs_none"] == pytest.approx(1.0)
@@ -64,7 +66,7 @@ def test_records(results):
 def test_markdown_plots_and_telemetry(results, tmp_path):
     req_rows, _, records = results
     md = loadbench.markdown(records)
-    assert md.count("\n| auto | 2 |") == 3 + 1  # three task rows, one memory row
+    assert md.count("\n| auto | 2 |") == 3 and md.count("\n| auto, 2 slots |") == 1  # task rows, memory row
     need_module("matplotlib")
     paths = loadbench.plot(records, str(tmp_path / "plots"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["speedup_vs_concurrency.png", "tau_by_task.png"]
@@ -104,7 +106,12 @@ def _write(tmp_path, text):
     (["--methods", "draft"], "draft-model"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
 ])
-def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys, command="loadbench"):
+def test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
+    _fails_before_loading("loadbench", argv, match, tmp_path, monkeypatch, capsys)
+
+
+def _fails_before_loading(command, argv, match, tmp_path, monkeypatch, capsys):
+    """`specjax COMMAND ARGV` exits 2 with one error line holding `match`, before any model loads."""
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
@@ -171,7 +178,7 @@ def test_offline_bench_side_by_side(tiny_model):
     (["--max-new-tokens", "0"], "max_new_tokens"),
 ])
 def test_offline_bench_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
-    test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys, command="bench")
+    _fails_before_loading("bench", argv, match, tmp_path, monkeypatch, capsys)
 
 
 # ---- `specjax loadbench --surge`: a ramp of arrival rates, per phase --------------------------------
@@ -179,7 +186,7 @@ def test_offline_bench_bad_input_fails_before_loading(argv, match, tmp_path, mon
 
 SURGE_FIELDS = {"method", "phase", "rate", "requests", "ttft_p50_s", "latency_mean_s", "latency_p50_s",
                 "itl_p50_s", "itl_p99_s", "throughput_tok_s", "speculated_fraction", "mean_batch_size",
-                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes",
+                "memory",
                 "latency_vs_none", "throughput_vs_none", "itl_p99_vs_none", "chunks"}
 
 
@@ -202,7 +209,7 @@ def test_surge_bench_at_tiny_scale(tiny_model, tmp_path):
         assert 0 <= r["speculated_fraction"] <= 1 and r["requests"] >= 1
     assert sum(r["requests"] for r in records if r["phase"] != "all" and r["method"] == "auto") == len(times)
     table = surge.markdown(records)
-    assert table.count("| auto |") == 4 + 1
+    assert table.count("| auto |") == 4  # the memory table is the load bench's
     need_module("matplotlib")
     assert surge.plot(req_rows, run_rows, phases, str(tmp_path)).endswith("surge.png")
 
@@ -214,7 +221,7 @@ def test_surge_bench_at_tiny_scale(tiny_model, tmp_path):
     (["--surge", "1:5", "--concurrency", "4", "--batch-sizes", "8"], "batch size 8"),
 ])
 def test_surge_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys):
-    test_cli_bad_input_fails_before_loading(argv, match, tmp_path, monkeypatch, capsys)
+    _fails_before_loading("loadbench", argv, match, tmp_path, monkeypatch, capsys)
 
 
 def test_output_folders_are_made_before_any_work(tmp_path, monkeypatch, capsys):

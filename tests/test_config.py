@@ -40,20 +40,16 @@ def test_bad_options_name_themselves(kw, match):
         SpecConfig(**kw)
 
 
-def test_trees_resolve_and_set_k_and_the_window():
+def test_trees_resolve_and_set_k():
     named = SpecConfig(method="medusa", tree="small")
-    assert named.tree == TREES["small"] and named.k == 4 and named.window == len(TREES["small"]) + 1
+    assert named.tree == TREES["small"] and named.k == 4
     assert named.is_tree and named == SpecConfig(method="medusa", tree=TREES["small"], k=2)  # k from the tree
     listed = SpecConfig(method="medusa", tree=[[0], [1], [0, 0]])  # as JSON gives it
-    assert listed.tree == ((0,), (1,), (0, 0)) and listed.k == 2 and listed.window == 4
+    assert listed.tree == ((0,), (1,), (0, 0)) and listed.k == 2
     hash(listed)  # jit-static: hashable once normalised
     chain = SpecConfig(method="ngram", k=3)
-    assert not chain.is_tree and chain.window == 4
-    assert SpecConfig(method="eagle", k=3, nodes=8).window == 9
-    heads = SpecConfig(method="medusa", tree="heads")
-    assert heads.tree == "heads"
-    with pytest.raises(ValueError, match="resolved by the Engine"):
-        heads.window
+    assert not chain.is_tree and chain.depth == 3 and SpecConfig(method="eagle", k=3, nodes=8).is_tree
+    assert SpecConfig(method="medusa", tree="heads").tree == "heads"  # resolved by the Engine
 
 
 def test_parse_tree():

@@ -268,7 +268,7 @@ def test_heads_carry_their_tuned_tree(tiny_model, ref):
         e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
     tree = [[0], [1], [0, 0], [0, 0, 0]]
     e.set_heads(random_heads(tiny_model), tree=tree)
-    assert e.resolve(SpecConfig(method="medusa", tree="heads")).window == 5
+    assert e.build_decoder(e.resolve(SpecConfig(method="medusa", tree="heads")), cache_length=64)[0].window == 5
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)

@@ -129,7 +129,8 @@ def test_every_registered_proposer_declares_the_protocol(tiny_model, follow):
         want = tree.DynamicTopology if spec.nodes else tree.Topology
         assert isinstance(topo, want) and topo.max_depth == spec.depth == proposer.k, spec
         assert topo.is_chain == (not spec.is_tree), spec
-        assert Decoder(proposer=proposer, cache_length=64).window == spec.window, spec
+        window = len(spec.tree) + 1 if spec.tree else (spec.nodes or spec.k) + 1  # the root and every node
+        assert Decoder(proposer=proposer, cache_length=64).window == window, spec
     assert {type(eng.proposer(SpecConfig(method=m, k=3))[0]) for m in registry.RECORDS} >= {FollowProposer}
 
 

@@ -132,8 +132,7 @@ def test_an_earlier_requests_ngrams_are_proposed_to_a_later_one(eng, alone):
         kept[table] = [r.counters.num_accepted_tokens for r in out]
     assert kept[0][0] == kept[0][1] == kept[1 << 12][0]  # nothing to learn from before request 0
     assert kept[1 << 12][1] > kept[0][1], kept
-    mem = s.memory()
-    assert mem["ngram_table_bytes"] == s.table.nbytes > 0
+    assert s.memory().parts["ngram_table"] == s.table.nbytes > 0
 
 
 def test_opted_out_request_never_enters_the_table(eng, alone):

@@ -88,8 +88,8 @@ def test_every_request_once_with_its_alone_tokens(eng, alone, method):
         assert sum(n for _, n in r.emissions) == len(r.tokens)
         assert len(r.itl_s) == len(r.tokens) - 1
     assert {r.slot for r in out} == {0, 1}  # finished slots were refilled
-    mem = s.memory()
-    assert mem["cache_bytes"] > 0 and (mem["draft_weight_bytes"] > 0) == (method not in ("none", "ngram", "auto"))
+    mem = s.memory().parts
+    assert mem["caches"] > 0 and (mem["draft_weights"] > 0) == (method not in ("none", "ngram", "auto"))
     if method == "auto-medusa":
         assert set(s.cost.seconds) == set(AUTO_MEDUSA.options)
         small = SpecConfig(method="medusa", tree="small")

@@ -323,7 +323,7 @@ def test_models_health_metrics(served, client):
     table = server.sched.table
     assert parts["weights"] >= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eng.params))
     assert parts["ngram_table"] > 0 and parts["caches"] > 0 and parts["draft_weights"] == 0
-    assert parts["ngram_table"] >= server.sched.memory()["ngram_table_bytes"] and table is not None
+    assert parts["ngram_table"] >= server.sched.memory().parts["ngram_table"] and table is not None
 
 
 async def _stream(url, prompt, *, cancel_after: int | None, key: str = "test", max_tokens: int = MAX_TOKENS):
@@ -443,13 +443,13 @@ def test_first_token_streams_before_the_first_chunk(served, monkeypatch):
     """The first token (from the prefill) reaches the client before the chunk after it has run."""
     eng, server, url = served
     wait_until(lambda: idle(server), 10, "the engine to go idle")
-    decode_chunk = server.sched._decode_chunk
+    run_chunk = server.sched.batch.run
 
-    def slow_chunk(*a):
+    def slow_chunk(*a, **kw):
         time.sleep(2.0)
-        return decode_chunk(*a)
+        return run_chunk(*a, **kw)
 
-    monkeypatch.setattr(server.sched, "_decode_chunk", slow_chunk)
+    monkeypatch.setattr(server.sched.batch, "run", slow_chunk)
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "stream": True, "speculation": "off"}
     t0, first = time.perf_counter(), None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -484,15 +484,15 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
     eng, server, url = served
     sched = server.sched
     openai = need_module("openai")
-    insert = sched._insert
+    insert = sched.batch.insert
     bad = eng.tokenizer.encode("QQQ")
 
-    def failing_insert(slot, req, now):  # an error in this request's admission (before its prefill ran)
-        if req.ids == bad:
+    def failing_insert(slot, inputs):  # an error in this request's admission (before its prefill ran)
+        if _prompt_of(inputs) == bad:
             raise RuntimeError("this request's prefill failed")
-        return insert(slot, req, now)
+        return insert(slot, inputs)
 
-    monkeypatch.setattr(sched, "_insert", failing_insert)
+    monkeypatch.setattr(sched.batch, "insert", failing_insert)
     submit, late = sched.submit, eng.tokenizer.encode("ZZZ")
 
     def late_check(ids, **kw):  # bad input caught only by the scheduler: that request's 400
@@ -804,6 +804,11 @@ def test_loadbench_poisson_and_surge_over_http(served, tmp_path):
     wait_until(lambda: idle(server), 10, "the engine to go idle")
 
 
+def _prompt_of(inputs) -> list[int]:
+    """The prompt of a request's batch of one (`RunningBatch.insert`'s inputs)."""
+    return np.asarray(inputs.prompts)[0, :int(inputs.prompt_lengths[0])].tolist()
+
+
 def test_scheduler_failures_history_and_requested_speculation(served, reference, monkeypatch):
     """The scheduler under the server, directly (its programs are the served ones): a request that
     fails at admission ends "failed" and the others finish; after a chunk error `reset_batch` fails
@@ -814,9 +819,9 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
                           max_prompt_tokens=64, chunk=4, history=3)
     s.prepare()
     ids = [eng.encode([p])[0] for p in PROMPTS]
-    insert = s._insert
-    monkeypatch.setattr(s, "_insert", lambda slot, req, now: (_ for _ in ()).throw(RuntimeError("bad row"))
-                        if req.ids == ids[0] else insert(slot, req, now))
+    insert = s.batch.insert
+    monkeypatch.setattr(s.batch, "insert", lambda slot, inputs: (_ for _ in ()).throw(RuntimeError("bad row"))
+                        if _prompt_of(inputs) == ids[0] else insert(slot, inputs))
     rids = [s.submit(x) for x in ids]
     s.run()
     reqs = {r.id: r for r in s.requests}
@@ -825,7 +830,7 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     for rid, p in zip(rids[1:], PROMPTS[1:]):
         assert reqs[rid].status == "finished" and reqs[rid].tokens == reference[("completion", p)]
     s.cancel(rids[0])  # an id no longer known: a no-op
-    monkeypatch.setattr(s, "_insert", insert)
+    monkeypatch.setattr(s.batch, "insert", insert)
 
     first = [s.submit(x) for x in ids[:2]]
     later = s.submit(ids[2])

@@ -350,7 +350,9 @@ def test_per_device_bytes_match_the_layout(assets):
         assert sharding.cache_bytes_per_device(c, 8, cache_len, m) == \
             2 * c.num_layers * (8 // dp) * cache_len * kv * c.head_dim * 4
         report = sharding.memory_report(eng, batch=8, cache_length=cache_len)
-        assert report["weights"] == got and report["cache"] == sharding.shard_bytes(state.decode.cache, dev)
+        assert report.parts["weights"] == got and report.mesh == sharding.describe(m)
+        assert report.parts["caches"] == sharding.shard_bytes(state.decode.cache, dev) + sharding.shard_bytes(
+            state.proposer, dev)  # the target's KV cache and the draft model's
 
 
 # ---- bad input -------------------------------------------------------------------------------

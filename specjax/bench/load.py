@@ -14,11 +14,12 @@ Reported per (method, concurrency, task class, and "all"):
   (per-task throughput is not defined when the classes share batches);
 - ttft_p50_s, itl_p50_s, itl_p99_s: time to first token (from arrival) and per-token inter-token
   latency (a chunk's gap spread over the tokens it brought);
-- memory: target weights, draft/heads weights, caches (decode state and proposer state), the
-  cross-request n-gram table, and their sum (arrays_bytes: the arrays the run keeps); beside them
-  peak_mem_bytes, measured (`telemetry.peak_memory`): the device's peak bytes in use where the
-  backend reports it (peak_mem_source "device", since the process started), else the process's
-  peak resident set during the run (CPU, "rss"); and peak_rss_bytes, the process's since it started;
+- memory: the run's `specjax.memory.Report` at its end (`memory`: the arrays by part, each
+  `<part>_bytes` and their sum `arrays_bytes`; the compiled programs and what compiling them
+  added; the resident set and what it holds beyond both), and peak_mem_bytes, measured
+  (`specjax.memory.peak`): the device's peak bytes in use where the backend reports it
+  (peak_mem_source "device", since the process started), else the process's peak resident set
+  during the run, compiling and calibrating included (CPU, "rss");
 - greedy_identical: every request's tokens equal those of `none` at the same concurrency.
 """
 
@@ -27,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import pathlib
-import resource
 import statistics
 import sys
 from typing import Sequence
 
 import numpy as np
 
-from specjax import telemetry
+from specjax import memory
 from specjax.methods.config import SpecConfig
 from specjax.serving.controller import ControllerConfig
 from specjax.methods import registry
@@ -131,7 +131,7 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
                                   batch_sizes=plan.batch_sizes)
                     for p, t in zip(prompts, arrivals):
                         s.submit(p.text, task=p.task, arrival=t)
-                    telemetry.reset_peak_memory()  # the resident peak of this run only (Linux)
+                    memory.reset_peak()  # the resident peak of this run only (Linux)
                     s.prepare()
                     s.warm()  # every method starts warm, as auto does after calibrating
                     done = [0]
@@ -151,15 +151,12 @@ def run(engine, prompts: Sequence, plan: LoadPlan, opts, *, chat: bool = False,
 
 
 def _run_row(s, method: str, c: int, rep: int) -> dict:
-    mem = s.memory()
     chunks = {}
     for ch in s.chunk_log:
         chunks[ch.option] = chunks.get(ch.option, 0) + 1
-    row = dict(method=method, concurrency=c, rep=rep, **mem,
+    row = dict(method=method, concurrency=c, rep=rep, memory=dataclasses.asdict(s.memory()),
                makespan_s=max(r.finished_s for r in s.requests), compile_s=s.compile_s, chunks=chunks,
-               chunk_log=[ch.to_dict() for ch in s.chunk_log],
-               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               **telemetry.peak_memory())
+               chunk_log=[ch.to_dict() for ch in s.chunk_log], **memory.peak())
     if s.cost is not None:
         row["cost_s_per_step"] = {o.label: t for o, t in s.cost.seconds.items()}
         row["cost_s_per_step_by_batch_size"] = {
@@ -194,13 +191,12 @@ def summarize(req_rows: list[dict], run_rows: list[dict], *, greedy: bool = True
             key = "throughput_tok_s" if t == "all" else "request_tok_s"
             rec["speedup_vs_none"] = rec[key] / ref[key]
             same = sum(r["tokens"] == x["tokens"] for r, x in zip(sel, b))
-            mem = {k: max(r.get(k, 0) for r in runs) for k in (
-                "target_weight_bytes", "draft_weight_bytes", "cache_bytes", "ngram_table_bytes", "peak_rss_bytes",
-                "peak_mem_bytes")}
+            top = max(runs, key=lambda r: r["peak_mem_bytes"])  # the repeat of the highest peak
+            report = memory.Report(**top["memory"])
             out.append(dict(method=m, concurrency=c, task=t, requests=len(sel), **rec,
-                            arrays_bytes=mem["target_weight_bytes"] + mem["draft_weight_bytes"]
-                            + mem["cache_bytes"] + mem["ngram_table_bytes"], **mem,
-                            peak_mem_source=runs[0].get("peak_mem_source"),
+                            **{f"{k}_bytes": v for k, v in report.parts.items()}, arrays_bytes=report.arrays_bytes,
+                            memory=top["memory"], peak_mem_bytes=top["peak_mem_bytes"],
+                            peak_mem_source=top["peak_mem_source"],
                             greedy_identical=(same == len(sel)) if greedy else None,
                             greedy_identical_n=same if greedy else None))
     return out
@@ -226,17 +222,11 @@ def markdown(records: list[dict]) -> str:
             f"{ms(r['ttft_p50_s'])} | {ms(r['itl_p50_s'])} | {ms(r['itl_p99_s'])} | "
             f"{'' if r['greedy_identical'] is None else r['greedy_identical_n']}/{r['requests']} |"
             for r in records]
-    mib = lambda x: f"{x / 2**20:.0f} MiB"
-    mem = ("\n\n| method | conc. | target weights | draft/heads | caches | n-gram table | arrays (sum) | "
-           "peak measured |\n"
-           "|---|---|---|---|---|---|---|---|\n")
-    mem += "\n".join(f"| {r['method']} | {r['concurrency']} | {mib(r['target_weight_bytes'])} | "
-                     f"{mib(r['draft_weight_bytes'])} | {mib(r['cache_bytes'])} | "
-                     f"{r['ngram_table_bytes'] / 2**20:.1f} MiB | {mib(r['arrays_bytes'])} | "
-                     f"{mib(r['peak_mem_bytes'])} ({r['peak_mem_source']}) |" for r in records if r["task"] == "all")
+    mem = memory.markdown({f"{r['method']}, {r['concurrency']} slots": memory.Report(**r["memory"])
+                           for r in records if r["task"] == "all"})
     note = ("\n\ntok/s: throughput over the run for task `all`; per task, tokens over summed request "
             "latency (what one client sees), which is also what the per-task speedup compares.")
-    return head + "\n".join(rows) + mem + note
+    return head + "\n".join(rows) + note + "\n\n" + mem
 
 
 def plot(records: list[dict], out_dir: str) -> list[str]:

@@ -168,9 +168,10 @@ def roofline(model) -> dict:
                 window_ms=window_costs(model))
 
 
-def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int) -> dict:
-    """Bytes per device (weights, draft, heads, KV caches) of the largest batch this bench runs, from
-    the layout (`specjax.sharding.memory_report`; equal to what the placed arrays hold)."""
+def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int):
+    """The `specjax.memory.Report` (bytes per device of the weights, the draft's and the KV caches)
+    of the largest batch this bench runs, from the layout (`specjax.sharding.memory_report`; equal to
+    what the placed arrays hold)."""
     from specjax import sharding
 
     longest = max(len(x) for x in engine.encode([p.text for p in prompts], chat=chat))
@@ -225,13 +226,8 @@ def roofline_markdown(r: dict) -> str:
     ]
     mem = r.get("memory_per_device")
     if mem:
-        mib = lambda k: f"{mem[k] / 2**20:.2f} MiB"
-        rows.append((f"memory per device, mesh {mem['mesh']}: weights / KV cache",
-                     f"{mib('weights')} / {mib('cache')}"))
-        if "draft_cache" in mem:  # a draft model's weights and cache
-            rows.append(("memory per device: draft weights / draft KV cache", f"{mib('draft')} / {mib('draft_cache')}"))
-        if "heads" in mem:
-            rows.append(("memory per device: Medusa heads", mib("heads")))
+        rows.append((f"memory per device, mesh {mem.mesh}: {' / '.join(mem.parts)}",
+                     " / ".join(f"{v / 2**20:.2f} MiB" for v in mem.parts.values())))
     if "hf_tok_s" in r:
         rows += [("HF transformers tok/s (plain, batch 1)", f"{r['hf_tok_s']:.1f}"),
                  ("greedy tokens identical to HF", r["greedy_identical_to_hf"])]

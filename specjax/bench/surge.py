@@ -5,7 +5,8 @@ over the prompt mix cycled in order. Every method serves the same arrivals throu
 `--concurrency` slots that may run each chunk at a smaller batch size (`--batch-sizes`), so a light
 load pays for a small batch. Per method and phase: time to first token, time to completion,
 inter-token latency p50/p99, throughput (tokens emitted inside the phase's window over its length),
-the fraction of chunks speculated, and memory (target and draft weights, caches, the n-gram table).
+the fraction of chunks speculated, and the run's memory report (`specjax.memory.Report`, as a dict;
+its table is the load bench's).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def summarize(req_rows: list[dict], run_rows: list[dict], phases) -> list[dict]:
                 throughput_tok_s=emitted / (hi - lo), chunks=len(chunks),
                 speculated_fraction=sum(c["option"] != "none" for c in chunks) / max(1, len(chunks)),
                 mean_batch_size=float(np.mean([c["batch_size"] for c in chunks])) if chunks else float("nan"),
-                target_weight_bytes=run["target_weight_bytes"], draft_weight_bytes=run["draft_weight_bytes"],
-                cache_bytes=run["cache_bytes"], ngram_table_bytes=run["ngram_table_bytes"]))
+                memory=run["memory"]))
     base = {r["phase"]: r for r in out if r["method"] == "none"}
     for r in out:
         r["latency_vs_none"] = base[r["phase"]]["latency_mean_s"] / r["latency_mean_s"]
@@ -93,14 +93,10 @@ def markdown(records: list[dict]) -> str:
             f"{ms(r['itl_p50_s'])} | {ms(r['itl_p99_s'])} | {r['throughput_tok_s']:.1f} | "
             f"{r['throughput_vs_none']:.2f}x | {100 * r['speculated_fraction']:.0f}% | {r['mean_batch_size']:.1f} |"
             for r in records]
-    mib = lambda x: f"{x / 2**20:.1f} MiB"
-    mem = "\n\n| method | target weights | draft/heads | caches | n-gram table |\n|---|---|---|---|---|\n"
-    mem += "\n".join(f"| {r['method']} | {mib(r['target_weight_bytes'])} | {mib(r['draft_weight_bytes'])} | "
-                     f"{mib(r['cache_bytes'])} | {mib(r['ngram_table_bytes'])} |" for r in records if r["phase"] == "all")
     note = ("\n\ncompletion: arrival to last token; vs none: none's mean completion over the method's (> 1 is "
             "faster), and throughput over none's; speculated: chunks that ran a speculative option; batch: "
             "the mean batch size chunks ran at.")
-    return head + "\n".join(rows) + mem + note
+    return head + "\n".join(rows) + note
 
 
 def plot(req_rows: list[dict], run_rows: list[dict], phases, out_dir: str) -> str:

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(offline.roofline_markdown(extra))
     if args.json_path:
+        roof = dict(extra, memory_per_device=dict(extra["memory_per_device"].to_dict(),
+                                                  mesh=extra["memory_per_device"].mesh))
         with open(args.json_path, "w") as f:
-            json.dump(dict(records=records, roofline=extra), f, indent=1, default=str)
+            json.dump(dict(records=records, roofline=roof), f, indent=1, default=str)
     return 0

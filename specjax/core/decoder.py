@@ -90,6 +90,15 @@ def row_keys(seed: int | Sequence[int], row_ids: Sequence[int]) -> Array:
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, ids)
 
 
+def check_max_new_tokens(value, *, most: int | None = None, why: str = "") -> int:
+    """A budget of new tokens, checked: an integer >= 1 (and <= `most`, with `why` that bound); the
+    one rule every host applies (`Inputs.create`, `GenerateOptions.validate`, `Scheduler.submit`)."""
+    if isinstance(value, bool) or int(value) != value or value < 1 or (most is not None and value > most):
+        bound = ">= 1" if most is None else f"in [1, {most}]"
+        raise ValueError(f"max_new_tokens={value}: must be an integer {bound}{f' ({why})' if why else ''}")
+    return int(value)
+
+
 def _per_row(value, n: int, name: str) -> list:
     values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
     if len(values) != n:
@@ -161,8 +170,8 @@ class Inputs:
         for t in per_row["tenant"]:
             if int(t) != t or not 0 <= t < 2 ** 31:
                 raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
-        if any(int(m) != m or m < 1 for m in per_row["max_new_tokens"]):
-            raise ValueError(f"max_new_tokens={max_new_tokens}: must be integers >= 1")
+        for m in per_row["max_new_tokens"]:
+            check_max_new_tokens(m)
         pad = b - n
         rows = list(prompts) + [prompts[0]] * pad
         tokens = np.zeros((b, p), np.int32)

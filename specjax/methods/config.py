@@ -132,17 +132,3 @@ class SpecConfig:
         if not isinstance(other, SpecConfig):
             return NotImplemented
         return self._order() < other._order()
-
-    @property
-    def window(self) -> int:
-        """Tokens the target sees per step (and the cache headroom a step needs)."""
-        if self.method == "none":
-            return 1
-        if self.tree == HEADS_TREE:
-            raise ValueError('tree="heads" is resolved by the Engine that holds the heads '
-                             "(Engine.resolve(spec))")
-        if self.tree is not None:
-            return len(self.tree) + 1
-        if self.nodes:
-            return self.nodes + 1
-        return self.k + 1

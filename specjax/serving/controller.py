@@ -32,7 +32,8 @@ says could pay; with plenty of evidence that nothing does (heavy load), no probe
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Sequence
+import enum
+from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -183,13 +184,26 @@ class Acceptance:
                         (self.kept + prior * weight) / np.maximum(self.tried + weight, 1e-12), prior)
 
 
+class Reason(enum.StrEnum):
+    """Why a chunk runs its option (`Plan.reason`; the chunk log's `reason`)."""
+
+    GAIN = "gain"  # the controller expects the option to beat plain by its margin
+    NO_GAIN = "no_gain"  # no option is expected to: plain
+    PROBE = "probe"  # after a run of plain chunks, one re-measures an option that could pay
+    OPT_OUT = "opt_out"  # a running request opted out of speculation: plain
+    IDLE = "idle"  # no row runs
+    REQUESTED = "requested"  # the running requests name this option
+    REQUESTS_DIFFER = "requests_differ"  # they name different ones: plain
+    FIXED = "fixed"  # the host runs one option
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The choice for one chunk: the option, its expected gain over plain, and why."""
 
     option: SpecConfig
     gain: float
-    reason: str  # "gain" | "no_gain" | "opt_out" | "probe" | "idle"
+    reason: Reason
 
     @property
     def k(self) -> int:
@@ -313,16 +327,16 @@ class Controller:
     def choose(self, rows: Sequence[Hashable]) -> Plan:
         """The option of the next chunk for a batch whose active rows are `rows`."""
         if not rows:
-            return Plan(PLAIN, 1.0, "idle")
+            return Plan(PLAIN, 1.0, Reason.IDLE)
         if any(self.rows[r]["opt_out"] for r in rows):
-            return self._plain(1.0, "opt_out", probe=False)
+            return self._plain(1.0, Reason.OPT_OUT, probe=False)
         option, g = self.best(rows)
         if g >= 1.0 + self.config.margin:
             self.plain_run = 0
-            return Plan(option, g, "gain")
-        return self._plain(g, "no_gain", probe=True, rows=rows)
+            return Plan(option, g, Reason.GAIN)
+        return self._plain(g, Reason.NO_GAIN, probe=True, rows=rows)
 
-    def _plain(self, g: float, reason: str, *, probe: bool, rows=()) -> Plan:
+    def _plain(self, g: float, reason: Reason, *, probe: bool, rows=()) -> Plan:
         self.plain_run += 1
         if probe and self.plain_run > self.config.probe_every:
             # the cheapest option that could pay: a probe that disappoints costs the least
@@ -330,7 +344,7 @@ class Controller:
             if could:
                 option = min(could, key=self.cost.relative)
                 self.plain_run = 0
-                return Plan(option, self.gain(rows, option), "probe")
+                return Plan(option, self.gain(rows, option), Reason.PROBE)
         return Plan(PLAIN, g, reason)
 
     def summary(self) -> dict:
@@ -344,3 +358,27 @@ class Controller:
                 tried=float(acc.tried.sum()), kept=float(acc.kept.sum()),
                 expected_tau={k: expected_tokens_rates(rates, k) for k in self.config.ks if k > 0})
         return out
+
+
+class Running(Protocol):
+    """What the policy reads of a running request (`specjax.serving.requests.Request`)."""
+
+    id: Hashable
+    opt_out: bool
+    speculation: SpecConfig | None
+
+
+def plan(active: Sequence[Running], *, controller: "Controller | None", fixed: SpecConfig = PLAIN,
+         plain: bool = True) -> Plan:
+    """The option of a host's next chunk, for the requests running in it: plain while one that opted
+    out runs (`plain`: the host compiled the plain loop); the option they name, when they name one
+    (plain when they name different ones); else the `controller`'s choice (its `cost` set for the
+    chunk's batch size), or the host's `fixed` option without one."""
+    if plain and any(r.opt_out for r in active):
+        return Plan(PLAIN, 1.0, Reason.OPT_OUT) if controller is None else controller.choose([r.id for r in active])
+    named = {r.speculation for r in active if r.speculation is not None}
+    if named:
+        return Plan(named.pop(), 1.0, Reason.REQUESTED) if len(named) == 1 else Plan(PLAIN, 1.0, Reason.REQUESTS_DIFFER)
+    if controller is None:
+        return Plan(fixed, 1.0, Reason.FIXED)
+    return controller.choose([r.id for r in active])

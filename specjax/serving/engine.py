@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax import sharding, telemetry
+from specjax import memory, sharding, telemetry
 from specjax.core import sampling
 from specjax.methods.config import SpecConfig
 from specjax.core.decoder import (MAX_STOP_IDS, RUN_TO_END, Decoder, Inputs, State, decode_program, new_tokens,
@@ -82,8 +82,7 @@ class GenerateOptions:
     stop_ids: tuple[int, ...] | None = None  # default: the tokenizer's stop tokens
 
     def validate(self) -> None:
-        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        core.check_max_new_tokens(self.max_new_tokens)
         for t in _values(self.temperature):
             sampling.validate(t, 0, 1.0)
         for k in _values(self.top_k):
@@ -162,6 +161,7 @@ class Engine:
         self.assets = registry.Assets(target=model)
         self._compiled: dict[tuple, object] = {}
         self.compile_count = 0
+        self.compile_rss_bytes = 0  # what compiling `programs()` added to the process's resident set
         self.weights_id = weights_id
         if draft is not None:
             self.set_draft(draft, draft_tokenizer)
@@ -397,12 +397,17 @@ class Engine:
                tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if key in self._compiled:
             return self._compiled[key], 0.0
-        t0 = time.perf_counter()
+        t0, rss0 = time.perf_counter(), memory.rss_bytes()
         kw = dict(statics) if decoder is None else dict(statics, static=decoder)
         model = (self.graphdef, self.params) if weights else ()
         self._compiled[key] = fn.lower(*model, *args, **kw).compile()  # the decoder traces for its mesh
         self.compile_count += 1
+        self.compile_rss_bytes += memory.rss_bytes() - rss0
         return self._compiled[key], time.perf_counter() - t0
+
+    def programs(self) -> list:
+        """The compiled programs this engine keeps (`program`'s cache)."""
+        return list(self._compiled.values())
 
     # ---- generation ----------------------------------------------------------------------------
     def start(self, prompts: Sequence[str | Sequence[int]], opts: GenerateOptions, *,

@@ -46,9 +46,10 @@ from typing import Callable, Sequence
 
 import jax
 
-from specjax import sharding, telemetry
-from specjax.core.decoder import cache_length
+from specjax import memory, sharding, telemetry
+from specjax.core.decoder import cache_length, check_max_new_tokens
 from specjax.methods.config import SpecConfig
+from specjax.serving import controller as policy
 from specjax.serving.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
 from specjax.core.decoder import Decoder, Inputs
 from specjax.core.slots import RunningBatch, Slots
@@ -185,10 +186,9 @@ class Scheduler:
         names its seed, so that the same seed samples the same text, as `Engine.generate` does
         for a single prompt).
         """
-        m = self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if int(m) != m or not 1 <= m <= self.opts.max_new_tokens:
-            raise ValueError(f"max_new_tokens={m}: must be in [1, {self.opts.max_new_tokens}] "
-                             "(the scheduler's GenerateOptions.max_new_tokens sizes the cache)")
+        m = check_max_new_tokens(self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                 most=self.opts.max_new_tokens,
+                                 why="the scheduler's GenerateOptions.max_new_tokens sizes the cache")
         if arrival is not None and not arrival >= 0:
             raise ValueError(f"arrival={arrival}: must be >= 0 seconds (or None)")
         o = self.opts
@@ -427,20 +427,12 @@ class Scheduler:
         return next(x for x in self.sizes if x >= top)
 
     def plan(self, active: Sequence[Request], *, size: int | None = None) -> Plan:
-        """The next chunk's option: plain while an opted-out request runs; the option the running
-        requests name, when they name one (plain when they name different ones); else the fixed
-        spec or the controller's choice."""
-        if PLAIN in self.options and any(r.opt_out for r in active):
-            if self.controller is not None:
-                return self.controller.choose([r.id for r in active])  # its own "opt_out" plan
-            return Plan(PLAIN, 1.0, "opt_out")
-        named = {r.speculation for r in active if r.speculation is not None}
-        if named:
-            return Plan(named.pop(), 1.0, "requested") if len(named) == 1 else Plan(PLAIN, 1.0, "requests_differ")
-        if self.controller is None:
-            return Plan(self.fixed, 1.0, "fixed")
-        self.controller.cost = self.costs.get(size or self.b, self.cost)
-        return sharding.broadcast_from_0(self.controller.choose([r.id for r in active]))
+        """The next chunk's option (`specjax.serving.controller.plan`: the policy), the controller comparing options
+        at the cost measured for batch size `size`; every process runs process 0's choice."""
+        if self.controller is not None:
+            self.controller.cost = self.costs.get(size or self.b, self.cost)
+        p = policy.plan(active, controller=self.controller, fixed=self.fixed, plain=PLAIN in self.options)
+        return p if self.controller is None else sharding.broadcast_from_0(p)
 
     def _admit(self, on_insert: Callable[[Request], None] | None = None) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None]
@@ -567,37 +559,19 @@ class Scheduler:
         """The record of request `rid` while it is queued or running (None after: see `requests`)."""
         return self.live.get(rid)
 
-    def _device_parts(self) -> dict[str, list]:
-        """The device arrays of each part: the target's weights, the draft weights (proposer
-        parameters not shared with the target: Medusa's LM head is the target's), the caches (the
-        batch state and the proposers' states, the n-gram table apart) and the n-gram table."""
-        arrays = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-        weights = arrays(self.engine.params)
-        shared = {id(x) for x in weights} | {id(self.engine.model.embed[...])}
-        if not self.engine.config.tie_embeddings:
-            shared |= {id(self.engine.model.lm_head[...])}
-        draft = list({id(x): x for x in arrays(self.batch.pparams) if id(x) not in shared}.values())
-        table = arrays(self.batch.state.table)
-        in_table = {id(x) for x in table}
-        caches = [x for x in arrays(self.batch.state) + arrays(self.batch.pstates) if id(x) not in in_table]
-        return dict(weights=weights, draft_weights=draft, caches=caches, ngram_table=table)
+    def device_parts(self) -> dict[str, object]:
+        """The arrays of each part of `specjax.memory.PARTS` this scheduler keeps: the target's
+        weights, the draft weights (its options' proposer params; what the target also holds, as
+        Medusa's LM head, counts as weights), the caches (the batch state and the proposers' states,
+        the batch-shared state apart), then each batch-shared state by name."""
+        shared = {"ngram_table": self.batch.state.table}
+        state = self.batch.state.replace(shared=self.batch.state.shared.replace(table=None))
+        return dict(weights=self.engine.params, draft_weights=self.batch.pparams,
+                    caches=(state, self.batch.pstates), **shared)
 
-    def memory(self) -> dict:
-        """Bytes of what this scheduler keeps on the device (shape times dtype size): weights,
-        draft/heads, caches, n-gram table."""
-        nbytes = lambda xs: sum(x.size * x.dtype.itemsize for x in xs
-                                if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
-        p = self._device_parts()
-        return dict(target_weight_bytes=nbytes(p["weights"]), draft_weight_bytes=nbytes(p["draft_weights"]),
-                    cache_bytes=nbytes(p["caches"]), ngram_table_bytes=nbytes(p["ngram_table"]))
-
-    def memory_parts(self) -> dict[str, int]:
-        """Device bytes of each part (weights, draft_weights, caches, ngram_table) as the runtime
-        reports them (`jax.Array.on_device_size_in_bytes`: the allocation, padding included), each
-        buffer counted once. Call it from the thread that steps (the batch state is donated at every
-        step), after `prepare`."""
-        out = {}
-        for part, xs in self._device_parts().items():
-            live = {id(x): x for x in xs if not x.is_deleted()}
-            out[part] = sum(int(x.on_device_size_in_bytes()) for x in live.values())
-        return out
+    def memory(self, *, measured: bool = True) -> memory.Report:
+        """What this scheduler keeps (`specjax.memory.Report`): its arrays by part, the programs its
+        engine has compiled and what compiling them added, and (`measured`) the process now. Call it
+        from the thread that steps (the batch state is donated at every step), after `prepare`."""
+        return memory.report(self.device_parts(), programs=self.engine.programs(),
+                             program_rss_bytes=self.engine.compile_rss_bytes, measured=measured)

@@ -152,7 +152,7 @@ class Server:
         def on_ready():  # in the engine thread, once compiled and warmed up
             self.metrics.record_startup("caches_and_programs", memory_added(loaded, memory_now()))
             try:
-                self.metrics.record_parts(sched.memory_parts())
+                self.metrics.record_parts(sched.memory(measured=False).parts)
             except Exception:  # a metric must never keep the server from starting
                 log.exception("cannot measure the device buffers per part")
 
