@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from specjax.methods.config import SpecConfig
-from specjax.serving.controller import (PLAIN, Controller, ControllerConfig, CostModel, expected_tokens,
-                                expected_tokens_rates, position_counts)
+from specjax.serving.controller import (PLAIN, Controller, ControllerConfig, CostModel, Plan, Reason, expected_tokens,
+                                        expected_tokens_rates, plan, position_counts)
 
 
 def ngram(k: int) -> SpecConfig:
@@ -170,3 +170,28 @@ def test_max_step_cost_bounds_the_options_at_this_batch_size():
     assert c.allowed() == [] and all(c.choose(["r"]).option == PLAIN for _ in range(5))
     with pytest.raises(ValueError, match="max_step_cost"):
         ControllerConfig(max_step_cost=0.5)
+
+
+def test_the_chunk_policy_and_its_reasons():
+    """`plan`, the one policy of a host's chunk: an opted-out request keeps the batch plain, the option
+    the running requests name wins (plain when they differ), else the fixed option or the controller.
+    Every reason is a `Reason`, which reads as its string in logs and JSON."""
+    from types import SimpleNamespace as Row
+
+    row = lambda i, opt_out=False, speculation=None: Row(id=i, opt_out=opt_out, speculation=speculation)
+    fixed = ngram(4)
+    assert plan([row(0), row(1, opt_out=True)], controller=None, fixed=fixed) == Plan(PLAIN, 1.0, Reason.OPT_OUT)
+    assert plan([row(0, opt_out=True)], controller=None, fixed=fixed, plain=False).reason == Reason.FIXED
+    assert plan([row(0, speculation=ngram(2)), row(1)], controller=None, fixed=fixed) == Plan(
+        ngram(2), 1.0, Reason.REQUESTED)
+    assert plan([row(0, speculation=ngram(2)), row(1, speculation=ngram(8))], controller=None,
+                fixed=fixed).reason == "requests_differ"
+    assert plan([row(0)], controller=None, fixed=fixed) == Plan(fixed, 1.0, Reason.FIXED)
+    c = Controller(ControllerConfig(), LIGHT)
+    for r in ("a", "b"):
+        c.add_row(r, opt_out=r == "b")
+    assert plan([row("a")], controller=c).reason == Reason.GAIN  # the prior: prompt lookup may pay at batch 1
+    assert plan([row("a"), row("b", opt_out=True)], controller=c).reason == Reason.OPT_OUT
+    assert c.choose([]).reason == Reason.IDLE
+    assert {str(x) for x in Reason} == {"gain", "no_gain", "probe", "opt_out", "idle", "requested",
+                                        "requests_differ", "fixed"}

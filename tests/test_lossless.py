@@ -9,6 +9,7 @@ accepted drafts, the corrections and the bonus token, not only the prefill's t1.
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,10 +181,13 @@ def test_speculative_sampling_through_the_schedulers_insert_path_follows_the_tar
 
 
 class ResampleFromP(acceptance.Speculative):
-    """WRONG on purpose: after a rejection, draw from p instead of norm(max(0, p - q))."""
+    """WRONG on purpose: after a rejection, draw from p instead of norm(max(0, p - q)) (the library's
+    `acceptance.speculative` with its second half replaced)."""
 
-    def residual(self, p, q):
-        return p
+    def accept(self, config, keys, nodes, q, logits, params, topo):
+        n, p_n, _, key = acceptance.rejection(keys, nodes, q, logits, params)
+        nxt = jax.vmap(jax.random.categorical)(key, jnp.log(p_n)).astype(jnp.int32)
+        return acceptance.Accepted(n=n, path=acceptance.chain_path(n, topo), next=nxt)
 
 
 @pytest.mark.parametrize("rule", [ResampleFromP(), acceptance.TypicalAcceptance(0.3, 0.09)],

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.kv_cache import KVCache
+from specjax.train_heads.data import TokenData, atomic_write, permutation
 
 FORMAT = "specjax-feature-cache/1"
 INDEX = "index.json"
@@ -81,9 +82,7 @@ def _shard_name(s: int) -> str:
 
 
 def _atomic_json(path: pathlib.Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=1)))
 
 
 def extract(model: nnx.Module, items: Sequence[tuple[np.ndarray, np.ndarray]], out: str | os.PathLike, *,
@@ -321,7 +320,7 @@ class EpochLoader:
         self.epoch = self.cursor = 0
 
     def next(self) -> np.ndarray:
-        perm = _permutation(self.n, self.seed, self.epoch)
+        perm = permutation(self.n, self.seed, self.epoch)
         rows = np.resize(perm[self.cursor * self.batch_size:(self.cursor + 1) * self.batch_size], self.batch_size)
         self.cursor += 1
         if self.cursor == self.per_epoch:
@@ -344,11 +343,6 @@ class EpochLoader:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
-@functools.lru_cache(maxsize=2)
-def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
-
-
 # ---- what the cache gives the recipe -----------------------------------------------------------
 
 
@@ -368,8 +362,6 @@ def medusa_rows(cache: FeatureCache, ids: Sequence[int]):
     """Medusa's `TokenData` from the cache: for each contiguous run of train positions a..b-1 of a
     sequence, rows hold the hidden state at a-1..b-2 and the tokens a..b-1 (what the base LM head
     predicts there); each run is its own conversation, so no label crosses into another turn."""
-    from specjax.train_heads.data import TokenData
-
     hidden, tokens = [], []
     for i in ids:
         seq = cache.sequence(int(i))

@@ -185,10 +185,17 @@ def teacher_force(model: nnx.Module, prompts: Sequence[Sequence[int]], responses
     return out
 
 
-def _atomic_write(path: pathlib.Path, write) -> None:
+def atomic_write(path: pathlib.Path, write) -> None:
+    """`write(tmp)` beside `path`, then one rename onto it: a reader sees the old file or the new."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write(tmp)
     os.replace(tmp, path)
+
+
+@functools.lru_cache(maxsize=2)
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of `n` rows in `epoch` of a run seeded `seed` (what resuming replays)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def select_prompts(engine, n: int, *, max_prompt_tokens: int, path=None) -> list[tuple[str, list[int]]]:
@@ -235,7 +242,7 @@ def build(engine, out_dir: str | os.PathLike, *, conversations: int, max_new_tok
             f"{sum(x['tokens'] for x in shards)} response tokens, {time.time() - t0:.0f} s")
     index = dict(meta, shards=shards, tokens=sum(x["tokens"] for x in shards),
                  prompt_tokens=sum(x["prompt_tokens"] for x in shards), ids=[c for c, _ in chosen])
-    _atomic_write(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=1)))
+    atomic_write(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=1)))
     return out / INDEX
 
 
@@ -253,7 +260,7 @@ def _write_shard(engine, path: pathlib.Path, part, *, batch_size: int, max_new_t
         with open(p, "wb") as f:  # a file object: np.savez would append ".npz" to a path
             np.savez(f, hidden=data.hidden, tokens=data.tokens, lengths=lengths, prompt_lengths=prompt_lengths)
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def _shard_conversations(path: pathlib.Path) -> int:

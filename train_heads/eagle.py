@@ -571,6 +571,42 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
                          batch_size=batch_size, multiple=multiple, progress=progress, log=log)
 
 
+def _training_data(engine, fc, data: str, cfg: EagleTrainConfig, conversations: int | None,
+                   eval_conversations: int, log):
+    """(train, held out, source): from the feature cache `fc`, or the corpus `data` read now."""
+    from specjax.train_heads import cache as feature_cache
+
+    if fc is not None:
+        n_all = len(fc) if conversations is None else min(len(fc), eval_conversations + conversations)
+        if n_all <= eval_conversations:
+            raise ValueError(f"the cache holds {len(fc)} sequences: fewer than eval_conversations + 1")
+        return (feature_cache.CachedSequences(fc, np.arange(eval_conversations, n_all)),
+                feature_cache.CachedSequences(fc, np.arange(eval_conversations)), fc.meta.get("source", "feature cache"))
+    n_train = conversations or cfg.steps * cfg.batch_size
+    items = corpus(engine, data, eval_conversations + n_train, cfg.seq_len, log=log)
+    if len(items) <= eval_conversations:
+        raise ValueError(f"only {len(items)} usable conversations: fewer than eval_conversations + 1")
+    source = ("ShareGPT V3 (complete conversations, chat template, teacher-forced)" if data == "sharegpt"
+              else "ShareGPT V3 first human turns + the target's own greedy answers (128 tokens), teacher-forced")
+    return Sequences.pad(items[eval_conversations:], cfg.seq_len), Sequences.pad(items[:eval_conversations],
+                                                                                  cfg.seq_len), source
+
+
+def _manifest(engine, trainer, train, held_out, cfg: EagleTrainConfig, metrics: dict, data_info: dict,
+              init) -> dict:
+    """What the saved head records of its training."""
+    covered = min(trainer.step * cfg.batch_size, len(train))
+    return dict(
+        model=engine.name, weights_id=engine.weights_id,
+        init=None if init is None else str(init),
+        data=dict(data_info, conversations=len(train), eval_conversations=len(held_out), seq_len=cfg.seq_len,
+                  assistant_tokens=train.num_tokens,
+                  trained_tokens=int(trainer.step * cfg.batch_size * train.num_tokens / max(len(train), 1)),
+                  conversations_seen=int(trainer.step * cfg.batch_size), distinct_conversations_seen=covered),
+        train=dataclasses.asdict(cfg), steps=trainer.step, train_time_s=round(trainer.elapsed, 1),
+        devices=len(trainer.devices), metrics=metrics)
+
+
 def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dict | None = None,
                 cfg: EagleTrainConfig = EagleTrainConfig(), conversations: int | None = None,
                 eval_conversations: int = 64, max_minutes: float | None = None, data: str = "sharegpt",
@@ -618,22 +654,7 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
     if not isinstance(eagle, EagleConfig):
         eagle = EagleConfig.for_model(engine.config, **(eagle or {}))
     t0 = time.perf_counter()
-    if fc is not None:
-        n_all = len(fc) if conversations is None else min(len(fc), eval_conversations + conversations)
-        if n_all <= eval_conversations:
-            raise ValueError(f"the cache holds {len(fc)} sequences: fewer than eval_conversations + 1")
-        held_out = feature_cache.CachedSequences(fc, np.arange(eval_conversations))
-        train = feature_cache.CachedSequences(fc, np.arange(eval_conversations, n_all))
-        source = fc.meta.get("source", "feature cache")
-    else:
-        n_train = conversations or cfg.steps * cfg.batch_size
-        items = corpus(engine, data, eval_conversations + n_train, cfg.seq_len, log=log)
-        if len(items) <= eval_conversations:
-            raise ValueError(f"only {len(items)} usable conversations: fewer than eval_conversations + 1")
-        held_out = Sequences.pad(items[:eval_conversations], cfg.seq_len)
-        train = Sequences.pad(items[eval_conversations:], cfg.seq_len)
-        source = ("ShareGPT V3 (complete conversations, chat template, teacher-forced)" if data == "sharegpt"
-                  else "ShareGPT V3 first human turns + the target's own greedy answers (128 tokens), teacher-forced")
+    train, held_out, source = _training_data(engine, fc, data, cfg, conversations, eval_conversations, log)
     log(f"{len(train)} training conversations ({train.num_tokens} train positions), {len(held_out)} held out; "
         f"read in {time.perf_counter() - t0:.0f}s")
     if start is not None:
@@ -653,17 +674,8 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
     else:
         metrics = trainer.evaluate()
     trainer.ckpts.close()
-    covered = min(trainer.step * cfg.batch_size, len(train))
-    manifest = dict(
-        model=engine.name, weights_id=engine.weights_id,
-        init=None if init is None else str(init),
-        data=dict(source=source, cache=None if fc is None else str(cache), vocab=vocab,
-                  conversations=len(train), eval_conversations=len(held_out), seq_len=cfg.seq_len,
-                  assistant_tokens=train.num_tokens,
-                  trained_tokens=int(trainer.step * cfg.batch_size * train.num_tokens / max(len(train), 1)),
-                  conversations_seen=int(trainer.step * cfg.batch_size), distinct_conversations_seen=covered),
-        train=dataclasses.asdict(cfg), steps=trainer.step, train_time_s=round(trainer.elapsed, 1),
-        devices=len(trainer.devices), metrics=metrics)
+    data_info = dict(source=source, cache=None if fc is None else str(cache), vocab=vocab)
+    manifest = _manifest(engine, trainer, train, held_out, cfg, metrics, data_info, init)
     eagle_io.save_head(out, trainer.head, ids, manifest)
     log(f"EAGLE head saved to {out}: held-out acceptance by position {metrics['acc']}, chain tau {metrics['chain_tau']}")
     return manifest

@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax import sharding
 from specjax.train_heads import checkpoint
-from specjax.train_heads.data import TokenData
+from specjax.train_heads.data import TokenData, permutation
 from specjax.models.heads import HeadsConfig, MedusaHeads
 
 
@@ -173,13 +173,8 @@ def batch_rows(rows: np.ndarray, batch_size: int, seed: int, step: int) -> np.nd
     """The rows of `step`: slice `step % E` of epoch `step // E`'s permutation (E batches an epoch)."""
     per_epoch = len(rows) // batch_size
     epoch, k = divmod(step, per_epoch)
-    perm = _permutation(len(rows), seed, epoch)
+    perm = permutation(len(rows), seed, epoch)
     return rows[perm[k * batch_size:(k + 1) * batch_size]]
-
-
-@functools.lru_cache(maxsize=2)
-def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 class Trainer(checkpoint.ResumableRun):

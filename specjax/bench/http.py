@@ -168,38 +168,10 @@ def markdown(records: list[dict]) -> str:
 
 def main(args) -> int:
     """The CLI entry for `specjax loadbench --url URL`."""
-    import httpx
-
     from specjax.bench import surge
-    from specjax.bench.offline import SYNTHETIC_PROMPT
-    from specjax.bench.load import DEFAULT_CONCURRENCY, int_list, interleave
-    from specjax.bench.prompts import bench_prompts, check_output_paths
 
-    base = args.url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise ValueError(f"--url {args.url!r}: give the server's base URL, e.g. http://127.0.0.1:8000")
-    methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
-    phases = surge.parse_phases(args.surge) if args.surge else None
-    conc = int_list(args.concurrency, "concurrency") if args.concurrency else (
-        (16,) if phases else DEFAULT_CONCURRENCY)
-    if any(c < 1 for c in conc):
-        raise ValueError(f"--concurrency {args.concurrency}: each level must be >= 1")
-    if args.rate is not None and not args.rate > 0:
-        raise ValueError(f"--rate {args.rate}: must be > 0 requests per second")
-    slo = parse_goodput(getattr(args, "goodput", None) or "ttft:2000,tpot:100")
-    check_output_paths(args.json_path)
-    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    if not args.file_order:
-        prompts = interleave(prompts)
-    with httpx.Client(timeout=10) as c:
-        try:
-            info = c.get(base + "/v1/models").json()["data"][0]
-            healthy = c.get(base + "/health").status_code == 200
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot reach a specjax server at {base}: {e}; start one with `specjax serve`") from None
-    if not healthy:
-        raise ValueError(f"{base}/health is not 200 (still compiling?): wait for it, then run again")
-    model, options = info["id"], info["speculation"]["options"]
+    base, methods, phases, conc, slo, prompts = _check(args)
+    model, options, info = _server(base)
     loaded = {o.split(":")[0] for o in options}
     bad = [m for m in methods if m not in ("none", "auto") and m not in loaded]
     if bad or not methods:
@@ -219,7 +191,67 @@ def main(args) -> int:
           f"{args.max_new_tokens} new tokens, methods {', '.join(methods)}, concurrency {conc}, "
           f"{'surge ' + args.surge if phases else 'Poisson %.2f req/s' % args.rate if args.rate else 'closed loop'}",
           file=sys.stderr)
+    records, raw = _measure(args, base, model, prompts, methods, conc, arrivals, phases, phase_of, slo)
+    print(markdown(records))
+    print("\nLatency counts from the moment the client sent the request. TPOT = (E2E - TTFT) / (tokens - 1); "
+          "ITL: gaps between streamed chunks. Goodput: requests/s meeting " +
+          ", ".join(f"{k} <= {v * 1e3:.0f} ms" for k, v in slo.items()) + ".")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(dict(records=records, requests=raw), f, indent=1)
+    bad_runs = [r for r in records if r["task"] == "all" and r["failed"]]
+    return 1 if bad_runs else 0
+
+
+def _check(args):
+    """The flags, checked before any request: (base URL, methods, surge phases, concurrency levels,
+    goodput SLOs, prompts)."""
+    from specjax.bench import surge
+    from specjax.bench.offline import SYNTHETIC_PROMPT
+    from specjax.bench.load import DEFAULT_CONCURRENCY, int_list, interleave
+    from specjax.bench.prompts import bench_prompts, check_output_paths
+
+    base = args.url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ValueError(f"--url {args.url!r}: give the server's base URL, e.g. http://127.0.0.1:8000")
+    methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
+    phases = surge.parse_phases(args.surge) if args.surge else None
+    conc = int_list(args.concurrency, "concurrency") if args.concurrency else (
+        (16,) if phases else DEFAULT_CONCURRENCY)
+    if any(c < 1 for c in conc):
+        raise ValueError(f"--concurrency {args.concurrency}: each level must be >= 1")
+    if args.rate is not None and not args.rate > 0:
+        raise ValueError(f"--rate {args.rate}: must be > 0 requests per second")
+    slo = parse_goodput(getattr(args, "goodput", None) or "ttft:2000,tpot:100")
+    check_output_paths(args.json_path)
+    prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
+    return base, methods, phases, conc, slo, (prompts if args.file_order else interleave(prompts))
+
+
+def _server(base: str):
+    """(model id, speculation options, /v1/models' entry) of a healthy server at `base`."""
+    import httpx
+
+    with httpx.Client(timeout=10) as c:
+        try:
+            info = c.get(base + "/v1/models").json()["data"][0]
+            healthy = c.get(base + "/health").status_code == 200
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach a specjax server at {base}: {e}; start one with `specjax serve`") from None
+    if not healthy:
+        raise ValueError(f"{base}/health is not 200 (still compiling?): wait for it, then run again")
+    return info["id"], info["speculation"]["options"], info
+
+
+def _measure(args, base, model, prompts, methods, conc, arrivals, phases, phase_of, slo):
+    """Every (concurrency, method) against the server: the records per task (and phase) and the raw
+    request rows."""
+    import httpx
+
+    from specjax.bench import surge
+
     records, raw = [], []
+    spans = surge.windows(phases) if phases else []
     with httpx.Client(timeout=10) as mc:
         for c in conc:
             for m in methods:
@@ -236,10 +268,8 @@ def main(args) -> int:
                 groups = {"all": rows}
                 for r in rows:
                     groups.setdefault(str(r["task"]), []).append(r)
-                if phases:
-                    for r in rows:
-                        groups.setdefault(f"phase {phase_of[r['index']]}", []).append(r)
-                spans = surge.windows(phases) if phases else []
+                for r in rows if phases else ():
+                    groups.setdefault(f"phase {phase_of[r['index']]}", []).append(r)
                 for task, sel in groups.items():
                     span = wall  # a phase's throughput is over its own window
                     if task.startswith("phase "):
@@ -249,12 +279,4 @@ def main(args) -> int:
                     records.append(dict(rec, **acc) if task == "all" else rec)
                 raw += [dict(r, method=m, concurrency=c) for r in rows]
                 print(f"  {m} {load}: {records[-len(groups)]['output_tok_s']:.1f} tok/s", file=sys.stderr)
-    print(markdown(records))
-    print("\nLatency counts from the moment the client sent the request. TPOT = (E2E - TTFT) / (tokens - 1); "
-          "ITL: gaps between streamed chunks. Goodput: requests/s meeting " +
-          ", ".join(f"{k} <= {v * 1e3:.0f} ms" for k, v in slo.items()) + ".")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(dict(records=records, requests=raw), f, indent=1)
-    bad_runs = [r for r in records if r["task"] == "all" and r["failed"]]
-    return 1 if bad_runs else 0
+    return records, raw

@@ -60,7 +60,7 @@ def greedy(draft: Int[Array, "B K"], logits: Float[Array, "B K+1 V"]):
 
 
 def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] | None,
-                logits: Float[Array, "B K+1 V"], params: SamplingParams, *, residual_rule=None):
+                logits: Float[Array, "B K+1 V"], params: SamplingParams):
     """Lossless speculative sampling on a chain (Leviathan et al. 2023; Chen et al. 2023).
 
     With p the target's and q the draft's distribution at a position (both after the same
@@ -79,11 +79,23 @@ def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] 
       q: the distributions the drafts were sampled from, or None for one-hot.
       logits: target logits at the K+1 window positions.
       params: per-row sampling values (rows at temperature 0 reduce to greedy acceptance).
-      residual_rule: (p, q) -> the distribution to draw from after a rejection; None is the
-        lossless norm(max(0, p - q)). Only tests pass another one, to show it is detected.
     Returns:
       (n, next): drafts kept per row and the token after them.
     """
+    n, p_n, q_n, k_next = rejection(keys, draft, q, logits, params)
+    residual = jnp.maximum(p_n - q_n, 0.0)  # q = 0 at the bonus slot: p itself there
+    mass = residual.sum(-1, keepdims=True)
+    # mass is 0 only when p == q at that slot, where a rejection has probability 0
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    nxt = jax.vmap(jax.random.categorical)(k_next, jnp.log(residual)).astype(jnp.int32)
+    return n, nxt
+
+
+def rejection(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] | None,
+              logits: Float[Array, "B K+1 V"], params: SamplingParams):
+    """Where each row's chain stops (`speculative`'s first half): the drafts kept `n` (x ~ q kept with
+    probability min(1, p(x)/q(x))), the target's and the draft's distributions p and q at slot n (q
+    is 0 at the bonus slot K), and the key the next token is drawn with."""
     b, k = draft.shape
     p = sampling.probs(logits, params)  # [B, K+1, V]
     if q is None:
@@ -96,15 +108,7 @@ def speculative(keys: Array, draft: Int[Array, "B K"], q: Float[Array, "B K V"] 
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
     q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q = 0 at the bonus slot
     q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
-    if residual_rule is None:
-        residual = jnp.maximum(p_n - q_n, 0.0)
-    else:
-        residual = jnp.where(n[:, None] < k, residual_rule(p_n, q_n), p_n)
-    mass = residual.sum(-1, keepdims=True)
-    # mass is 0 only when p == q at that slot, where a rejection has probability 0
-    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
-    nxt = jax.vmap(jax.random.categorical)(k_next, jnp.log(residual)).astype(jnp.int32)
-    return n, nxt
+    return n, p_n, q_n, k_next
 
 
 def walk(ok: Bool[Array, "B K"], x: Int[Array, "B W"], topo: tree.AnyTopology) -> Accepted:
@@ -125,7 +129,8 @@ def walk(ok: Bool[Array, "B K"], x: Int[Array, "B W"], topo: tree.AnyTopology) -
     return Accepted(n=n, path=path, next=jnp.take_along_axis(x, leaf[:, None], axis=1)[:, 0])
 
 
-def _chain_path(n: Array, topo: tree.AnyTopology) -> Array:
+def chain_path(n: Array, topo: tree.AnyTopology) -> Array:
+    """The accepted path of a chain: slots 0..K (the first n + 1 of them hold what was kept)."""
     return jnp.broadcast_to(jnp.arange(topo.max_depth + 1, dtype=jnp.int32), (n.shape[0], topo.max_depth + 1))
 
 
@@ -160,17 +165,9 @@ class Speculative:
     lossless: ClassVar[bool] = True
     needs_chain: ClassVar[bool] = True
 
-    def residual(self, p, q):
-        """What a rejection draws from, before normalising: max(0, p - q) (overridden only by tests)."""
-        return jnp.maximum(p - q, 0.0)
-
     def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
-        if config.greedy:
-            n, nxt = greedy(nodes, logits)
-        else:
-            rule = None if type(self).residual is Speculative.residual else self.residual
-            n, nxt = speculative(keys, nodes, q, logits, params, residual_rule=rule)
-        return Accepted(n=n, path=_chain_path(n, topo), next=nxt)
+        n, nxt = greedy(nodes, logits) if config.greedy else speculative(keys, nodes, q, logits, params)
+        return Accepted(n=n, path=chain_path(n, topo), next=nxt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +198,6 @@ class TypicalAcceptance:
         at_leaf = jnp.take_along_axis(logits, acc.leaf[:, None, None], axis=1)[:, 0]
         nxt = config.draw(jax.vmap(lambda k: jax.random.fold_in(k, 7))(keys), at_leaf, params)
         return acc.replace(next=nxt)
-
-
-Rule = Greedy | SpecInfer | Speculative | TypicalAcceptance
-RULES = {"greedy": Greedy, "specinfer": SpecInfer, "speculative": Speculative, "typical": TypicalAcceptance}
 
 
 def default_rule(config: Sampling, topo: tree.AnyTopology):

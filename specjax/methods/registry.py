@@ -19,7 +19,7 @@ from specjax.core import acceptance
 from specjax.models import eagle_io, heads_io
 from specjax.methods.draft.proposer import DraftModelProposer
 from specjax.methods.eagle.proposer import EagleProposer
-from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer
+from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer, heads_tree
 from specjax.methods.ngram.proposer import NgramProposer
 from specjax.core.tree import HEADS_TREE, parse_tree
 
@@ -159,19 +159,12 @@ def _medusa_auto(assets: Assets, ks, given) -> list[dict]:
     if given is not None and given.tree is not None:
         fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
         if fields["tree"] == HEADS_TREE:
-            fields["tree"] = _heads_tree(assets)
+            fields["tree"] = heads_tree(assets.heads)
     elif assets.heads.tree is not None:
         fields = dict(method=MEDUSA, tree=assets.heads.tree)
     else:
         return chains
     return chains + [fields]
-
-
-def _heads_tree(assets: Assets):
-    if assets.heads is None or assets.heads.tree is None:
-        raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
-                         "name a tree (chain4, small, medium) or give --k")
-    return assets.heads.tree
 
 
 NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names

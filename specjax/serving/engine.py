@@ -30,7 +30,7 @@ from specjax.core.decoder import (MAX_STOP_IDS, RUN_TO_END, Decoder, Inputs, Sta
                                   prefill_program, window_of)
 from specjax.core import decoder as core
 from specjax.methods import registry
-from specjax.methods.medusa.proposer import LoadedHeads
+from specjax.methods.medusa.proposer import LoadedHeads, heads_tree
 from specjax.core.sampling import Sampling
 from specjax.core.tree import HEADS_TREE, validate_tree
 from specjax.telemetry import SpecCounters
@@ -291,10 +291,7 @@ class Engine:
         """`spec` with `tree="heads"` replaced by the tree tuned for the loaded heads."""
         if spec.tree != HEADS_TREE:
             return spec
-        if self.heads is None or self.heads.tree is None:
-            raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
-                             "name a tree (chain4, small, medium) or give --k")
-        return dataclasses.replace(spec, tree=self.heads.tree)
+        return dataclasses.replace(spec, tree=heads_tree(self.heads))
 
     def tuned(self, method: str, *, tree: bool = False, **overrides) -> SpecConfig:
         """The `SpecConfig` tuned for the loaded assets of `method` on their machine (its chain, or

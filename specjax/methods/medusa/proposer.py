@@ -61,6 +61,15 @@ class LoadedHeads:
     manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
+def heads_tree(heads: LoadedHeads | None) -> Tree:
+    """The candidate tree tuned for the loaded heads (`SpecConfig(tree="heads")`); one clear error
+    when there are none or they carry no tuned tree."""
+    if heads is None or heads.tree is None:
+        raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
+                         "name a tree (chain4, small, medium) or give --k")
+    return heads.tree
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MedusaProposer:
     """Static side of the Medusa proposer.
@@ -119,12 +128,7 @@ class MedusaProposer:
         if assets.heads is None:
             raise ValueError("method 'medusa' needs Medusa heads: Engine.load(..., heads='default' or DIR) "
                              "or --heads DIR")
-        tree = spec.tree
-        if tree == HEADS_TREE:
-            tree = assets.heads.tree
-            if tree is None:
-                raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
-                                 "name a tree (chain4, small, medium) or give --k")
+        tree = heads_tree(assets.heads) if spec.tree == HEADS_TREE else spec.tree
         return cls.from_heads(assets.heads.module, assets.target, k=spec.k, tree=tree,
                               vocab_subset=assets.heads.vocab)
 
