@@ -195,3 +195,39 @@ def test_the_chunk_policy_and_its_reasons():
     assert c.choose([]).reason == Reason.IDLE
     assert {str(x) for x in Reason} == {"gain", "no_gain", "probe", "opt_out", "idle", "requested",
                                         "requests_differ", "fixed"}
+
+
+def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
+    """A calibration skewed by a busy machine (plain timed at 744 ms a step at batch 16, then run at
+    313 ms, as in a loadbench here) makes verify windows look free; the chunks that run correct it:
+    after one speculative chunk, a plain one measures plain, and the measured ratio turns
+    speculation off. Where the chunks confirm that speculation pays, it goes on, with plain
+    measured again every `probe_every` speculative chunks."""
+    skewed = CostModel({PLAIN: 0.744, ngram(2): 0.850, ngram(4): 1.044, ngram(8): 1.087}, batch=16)
+    c = Controller(ControllerConfig(probe_every=16), skewed)
+    c.add_row("r", task="qa")
+    c.observe("r", "ngram", accepted_per_position=[5, 4, 3, 2], steps=10)  # alpha ~ 0.5: E(2) ~ 1.9
+    first = c.choose(["r"])
+    assert first.reason == Reason.GAIN and first.option != PLAIN  # the calibration's word, at first
+    c.observe_chunk(first.option, 8 * 1.08, 8)
+    probe = c.choose(["r"])
+    assert (probe.option, probe.reason) == (PLAIN, Reason.PROBE)
+    c.observe_chunk(PLAIN, 8 * 0.313, 8)
+    assert c.cost.relative(first.option) == pytest.approx(1.08 / 0.313)
+    for _ in range(5):
+        plan = c.choose(["r"])
+        assert plan.option == PLAIN and plan.reason == Reason.NO_GAIN
+        c.observe_chunk(PLAIN, 8 * 0.313, 8)
+    # a speculative step never reads as cheaper than a plain one, however it was timed
+    assert CostModel({PLAIN: 1.0, ngram(4): 0.8}).relative(ngram(4)) == 1.0
+    # where speculation does pay, the chunks confirm it; plain is re-measured every probe_every chunks
+    good = Controller(ControllerConfig(probe_every=4), CostModel({PLAIN: 1.0, ngram(2): 1.1, ngram(4): 1.2,
+                                                                  ngram(8): 1.5}, batch=1))
+    good.add_row("r", task="copy")
+    good.observe("r", "ngram", accepted_per_position=[9, 9, 8, 8, 8, 8, 8, 8], steps=10)
+    reasons = []
+    for _ in range(12):
+        plan = good.choose(["r"])
+        reasons.append(str(plan.reason))
+        good.observe_chunk(plan.option, 8 * good.cost.seconds[plan.option], 8)
+    assert reasons == ["gain", "probe"] + ["gain"] * 4 + ["probe"] + ["gain"] * 4 + ["probe"], reasons

@@ -156,12 +156,19 @@ def test_compiles_once_per_k(eng):
     assert set(s.cost.seconds) == set(ControllerConfig().options) and PLAIN in s.cost.seconds
 
 
+class FixedCosts(CostModel):
+    """Step costs that the chunks do not move (`CostModel.observe` ignored)."""
+
+    def observe(self, option, seconds, steps):
+        pass
+
+
 def fixed_costs(monkeypatch, seconds: dict):
-    """Replaces the scheduler's timed calibration by fixed step costs: the tiny model's timings are
-    noise, and a verify measured cheaper than a plain step would turn a test of acceptance into one
-    of timing."""
+    """Replaces the scheduler's timed calibration, and the costs its chunks measure, by fixed step
+    costs: the tiny model's timings are noise, and a verify measured cheaper than a plain step would
+    turn a test of acceptance into one of timing."""
     monkeypatch.setattr(Scheduler, "calibrate",
-                        lambda self, *a, size=None, **kw: CostModel(seconds, batch=size or self.b))
+                        lambda self, *a, size=None, **kw: FixedCosts(seconds, batch=size or self.b))
 
 
 @pytest.mark.parametrize("replay", [True, False])

@@ -2,9 +2,12 @@
 
 The policy is plain host-side arithmetic over two measurements:
 
-- a cost model: seconds per target step of the plain loop and of each speculative loop in the
-  compiled set, timed at start-up at the batch's actual shape (batch size = load, cache length),
-  on the current machine (`Scheduler.calibrate`);
+- a cost model per batch size: seconds per target step of the plain loop and of each speculative
+  loop in the compiled set, timed at start-up at the batch's actual shape (batch size = load, cache
+  length) on the current machine (`Scheduler.calibrate`), then followed from the chunks that run
+  (`CostModel.observe`): an option that has run is judged by its own chunks against plain's, and
+  plain is measured at a batch size once chunks run there and again every `probe_every`
+  speculative chunks, so a calibration skewed by a busy machine is corrected within two chunks;
 - a running acceptance estimate per row and per task class: for each draft position j, the rate
   at which draft j is accepted given that drafts 0..j-1 were. Each chunk's counters update it; old
   evidence decays geometrically (an EMA), so the estimate follows a row whose text changes.
@@ -66,7 +69,8 @@ class ControllerConfig:
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).
       prior_alpha, prior_weight: the acceptance assumed before any evidence, worth this many
         draft attempts.
-      probe_every: after this many plain chunks in a row, probe once (see module docstring).
+      probe_every: after this many plain chunks in a row, probe an option once; after this many
+        speculative chunks at a batch size, run plain once to measure it again (module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
         some K suit a method, or a tree (`with_assets` adds them from the loaded assets' records).
@@ -124,16 +128,41 @@ class ControllerConfig:
         return tuple(dict.fromkeys((PLAIN,) + opts + tuple(self.extra)))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class CostModel:
-    """Seconds per target step of each option, measured at one batch shape."""
+    """Seconds per target step of each option at one batch size: calibrated at start-up on
+    placeholder rows (`seconds`), then followed from the chunks that run there (`observe`).
+
+    Once an option has run real chunks, their decayed seconds per step replace its calibration: a
+    few placeholder steps timed once on a busy machine can be far off (in one run here plain
+    calibrated at 744 ms a step at batch 16 and then ran at 313 ms, so every verify window looked
+    cheap and auto lost half the throughput). A speculative step verifies the plain step's token
+    and more, so it never costs less than a plain step: `relative` is at least 1 for it.
+    """
 
     seconds: dict[SpecConfig, float]
     batch: int = 1
+    decay: float = 0.7  # weight kept by an option's earlier chunks at each new one
+    measured: dict[SpecConfig, tuple[float, float]] = dataclasses.field(default_factory=dict)  # decayed s, steps
+    since_plain: int = 0  # speculative chunks run here since the last plain one
+
+    def observe(self, option: SpecConfig, seconds: float, steps: int) -> None:
+        """One chunk of `option` ran `steps` target steps in `seconds`."""
+        if steps <= 0 or option not in self.seconds:
+            return
+        s, n = self.measured.get(option, (0.0, 0.0))
+        self.measured[option] = (s * self.decay + seconds, n * self.decay + steps)
+        self.since_plain = 0 if option == PLAIN else self.since_plain + 1
+
+    def step_seconds(self, option: SpecConfig) -> float:
+        """Seconds per step of `option`: measured in its chunks, else calibrated."""
+        s, n = self.measured.get(option, (0.0, 0.0))
+        return s / n if n > 0 else self.seconds[option]
 
     def relative(self, option: SpecConfig) -> float:
-        """Cost of one step of `option` in plain steps."""
-        return self.seconds[option] / self.seconds[PLAIN]
+        """Cost of one step of `option` in plain steps (at least 1 for a speculative option)."""
+        r = self.step_seconds(option) / self.step_seconds(PLAIN)
+        return r if option == PLAIN else max(1.0, r)
 
 
 def expected_tokens_rates(rates: Sequence[float], k: int) -> float:
@@ -189,7 +218,8 @@ class Reason(enum.StrEnum):
 
     GAIN = "gain"  # the controller expects the option to beat plain by its margin
     NO_GAIN = "no_gain"  # no option is expected to: plain
-    PROBE = "probe"  # after a run of plain chunks, one re-measures an option that could pay
+    PROBE = "probe"  # a measurement: after plain chunks, an option that could pay; or plain itself, not yet
+    # measured at this batch size or not for `probe_every` speculative chunks
     OPT_OUT = "opt_out"  # a running request opted out of speculation: plain
     IDLE = "idle"  # no row runs
     REQUESTED = "requested"  # the running requests name this option
@@ -332,9 +362,21 @@ class Controller:
             return self._plain(1.0, Reason.OPT_OUT, probe=False)
         option, g = self.best(rows)
         if g >= 1.0 + self.config.margin:
+            if self._plain_due():
+                return Plan(PLAIN, g, Reason.PROBE)
             self.plain_run = 0
             return Plan(option, g, Reason.GAIN)
         return self._plain(g, Reason.NO_GAIN, probe=True, rows=rows)
+
+    def _plain_due(self) -> bool:
+        """Speculation is judged against plain measured at this batch size: once chunks run here, a
+        plain one measures it first, and again after every `probe_every` speculative ones."""
+        m = self.cost.measured
+        return bool(m) and (PLAIN not in m or self.cost.since_plain >= self.config.probe_every)
+
+    def observe_chunk(self, option: SpecConfig, seconds: float, steps: int) -> None:
+        """A chunk of `option` ran `steps` steps in `seconds` at the current cost model's batch size."""
+        self.cost.observe(option, seconds, steps)
 
     def _plain(self, g: float, reason: Reason, *, probe: bool, rows=()) -> Plan:
         self.plain_run += 1

@@ -476,12 +476,14 @@ class Scheduler:
         o = plan.option
         t0, start = self.clock(), self.now()
         chunk = self.batch.run(self._key[o], self.chunk, size=size)
-        t = self.now()
+        t, seconds = self.now(), self.clock() - t0
+        if self.controller is not None:  # what a step of this option costs here, as it runs
+            self.controller.observe_chunk(o, seconds, chunk.steps)
         tasks: dict[str, int] = {}
         for r in active:
             tasks[str(r.task)] = tasks.get(str(r.task), 0) + 1
         self.chunk_log.append(telemetry.ChunkRecord(
-            start_s=start, seconds=self.clock() - t0, option=o.label, reason=plan.reason,
+            start_s=start, seconds=seconds, option=o.label, reason=plan.reason,
             expected_gain=float(plan.gain), rows=len(active), tasks=tasks, queued=len(self.queue),
             batch_size=size, steps=chunk.steps))
         label, done, forwards = o.label, chunk.view.done, chunk.view.row_forwards
