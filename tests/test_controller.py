@@ -147,6 +147,8 @@ def test_bad_config():
         ControllerConfig(ks=(0, -2))
     with pytest.raises(ValueError, match="methods"):
         ControllerConfig(methods=("none",))
+    with pytest.raises(ValueError, match="plain_every=0"):
+        ControllerConfig(plain_every=0)
     with pytest.raises(ValueError, match="lacks"):
         Controller(ControllerConfig(ks=(0, 3)), LIGHT)
     assert ControllerConfig(ks=(4, 2)).options == (PLAIN, ngram(2), ngram(4))
@@ -202,7 +204,7 @@ def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
     313 ms, as in a loadbench here) makes verify windows look free; the chunks that run correct it:
     after one speculative chunk, a plain one measures plain, and the measured ratio turns
     speculation off. Where the chunks confirm that speculation pays, it goes on, with plain
-    measured again every `probe_every` speculative chunks."""
+    measured again every `plain_every` speculative chunks."""
     skewed = CostModel({PLAIN: 0.744, ngram(2): 0.850, ngram(4): 1.044, ngram(8): 1.087}, batch=16)
     c = Controller(ControllerConfig(probe_every=16), skewed)
     c.add_row("r", task="qa")
@@ -220,8 +222,8 @@ def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
         c.observe_chunk(PLAIN, 8 * 0.313, 8)
     # a speculative step never reads as cheaper than a plain one, however it was timed
     assert CostModel({PLAIN: 1.0, ngram(4): 0.8}).relative(ngram(4)) == 1.0
-    # where speculation does pay, the chunks confirm it; plain is re-measured every probe_every chunks
-    good = Controller(ControllerConfig(probe_every=4), CostModel({PLAIN: 1.0, ngram(2): 1.1, ngram(4): 1.2,
+    # where speculation does pay, the chunks confirm it; plain is re-measured every plain_every chunks
+    good = Controller(ControllerConfig(plain_every=4), CostModel({PLAIN: 1.0, ngram(2): 1.1, ngram(4): 1.2,
                                                                   ngram(8): 1.5}, batch=1))
     good.add_row("r", task="copy")
     good.observe("r", "ngram", accepted_per_position=[9, 9, 8, 8, 8, 8, 8, 8], steps=10)

@@ -6,7 +6,7 @@ The policy is plain host-side arithmetic over two measurements:
   loop in the compiled set, timed at start-up at the batch's actual shape (batch size = load, cache
   length) on the current machine (`Scheduler.calibrate`), then followed from the chunks that run
   (`CostModel.observe`): an option that has run is judged by its own chunks against plain's, and
-  plain is measured at a batch size once chunks run there and again every `probe_every`
+  plain is measured at a batch size once chunks run there and again every `plain_every`
   speculative chunks, so a calibration skewed by a busy machine is corrected within two chunks;
 - a running acceptance estimate per row and per task class: for each draft position j, the rate
   at which draft j is accepted given that drafts 0..j-1 were. Each chunk's counters update it; old
@@ -69,8 +69,9 @@ class ControllerConfig:
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).
       prior_alpha, prior_weight: the acceptance assumed before any evidence, worth this many
         draft attempts.
-      probe_every: after this many plain chunks in a row, probe an option once; after this many
-        speculative chunks at a batch size, run plain once to measure it again (module docstring).
+      probe_every: after this many plain chunks in a row, probe once (see module docstring).
+      plain_every: after this many speculative chunks at a batch size, one plain chunk measures
+        plain's step cost there again (the costs follow the chunks that run; module docstring).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
         some K suit a method, or a tree (`with_assets` adds them from the loaded assets' records).
@@ -90,6 +91,7 @@ class ControllerConfig:
     prior_alpha: float = 0.5
     prior_weight: float = 4.0
     probe_every: int = 16
+    plain_every: int = 64
     probe_bonus: float = 1.0
     extra: tuple[SpecConfig, ...] = ()
     max_step_cost: float | None = None
@@ -107,8 +109,8 @@ class ControllerConfig:
             raise ValueError("prior_alpha must lie in [0, 1] and prior_weight be >= 0")
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay={self.decay}: must lie in (0, 1]")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every={self.probe_every}: must be >= 1")
+        if self.probe_every < 1 or self.plain_every < 1:
+            raise ValueError(f"probe_every={self.probe_every}, plain_every={self.plain_every}: must be >= 1")
         if self.max_step_cost is not None and not self.max_step_cost >= 1:
             raise ValueError(f"max_step_cost={self.max_step_cost}: must be >= 1 (plain steps)")
 
@@ -219,7 +221,7 @@ class Reason(enum.StrEnum):
     GAIN = "gain"  # the controller expects the option to beat plain by its margin
     NO_GAIN = "no_gain"  # no option is expected to: plain
     PROBE = "probe"  # a measurement: after plain chunks, an option that could pay; or plain itself, not yet
-    # measured at this batch size or not for `probe_every` speculative chunks
+    # measured at this batch size or not for `plain_every` speculative chunks
     OPT_OUT = "opt_out"  # a running request opted out of speculation: plain
     IDLE = "idle"  # no row runs
     REQUESTED = "requested"  # the running requests name this option
@@ -370,9 +372,9 @@ class Controller:
 
     def _plain_due(self) -> bool:
         """Speculation is judged against plain measured at this batch size: once chunks run here, a
-        plain one measures it first, and again after every `probe_every` speculative ones."""
+        plain one measures it first, and again after every `plain_every` speculative ones."""
         m = self.cost.measured
-        return bool(m) and (PLAIN not in m or self.cost.since_plain >= self.config.probe_every)
+        return bool(m) and (PLAIN not in m or self.cost.since_plain >= self.config.plain_every)
 
     def observe_chunk(self, option: SpecConfig, seconds: float, steps: int) -> None:
         """A chunk of `option` ran `steps` steps in `seconds` at the current cost model's batch size."""
