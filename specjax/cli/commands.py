@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specjax.bench.prompts import Prompt, read_prompts
+from specjax.bench.prompts import DEMO, SHIPPED, Prompt, read_prompts
 from specjax.methods import registry
 from specjax.methods.registry import RECORDS
 
@@ -56,7 +56,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     """What both benches share: the prompts, the budget, the chat template, the JSON output."""
     p.add_argument("--prompts-file", default=None,
-                   help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
+                   help=f"JSON lines with task and turns, or a shipped set ({', '.join(SHIPPED)}; "
+                        "default: a synthetic ~100-token prompt)")
     p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
     p.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -147,7 +148,7 @@ def _prompts(args) -> list[Prompt]:
     if getattr(args, "demo", False):
         if args.prompt is not None or args.prompts_file:
             raise SystemExit("error: --demo runs its own prompts: drop --prompt / --prompts-file, or --demo")
-        return list(DEMO_PROMPTS)
+        return read_prompts(DEMO)  # the shipped `demo` set
     if args.prompt is not None and args.prompts_file:
         raise SystemExit("error: give --prompt or --prompts-file, not both")
     if args.prompts_file:
@@ -215,16 +216,6 @@ def cmd_generate(args) -> int:
 
 # what auto may choose: prompt lookup, and the methods whose loaded assets give it options
 AUTO_METHODS = tuple(m for m, r in RECORDS.items() if registry.looks_up(m) or r.auto is not None)
-
-# `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
-# look up (a configuration file names its service, ports and paths again and again) and cannot where
-# every sentence is new (an open question): there auto falls back to plain decoding.
-DEMO_PROMPTS = (
-    Prompt(id="demo-config", task="configuration request",
-           text="Write a docker-compose.yml for a service called ledger (image node:20, port 3000) with Redis."),
-    Prompt(id="demo-question", task="open question", text="What makes a code review useful?"),
-)
-
 
 def _auto_methods(args) -> tuple[str, ...] | None:
     """`--auto-methods` as a tuple (None: every method the model has assets for)."""
@@ -332,7 +323,8 @@ def _generate_auto(args, opts, prompts) -> int:
         same = sum(runs["auto"][rep][i].tokens == runs["plain"][rep][i].tokens for rep in range(repeats) for i in idx)
         return compare.report(label, [pair("auto", rep) for rep in range(repeats)],
                               [pair("plain", rep) for rep in range(repeats)], chunks, tau=tau,
-                              identical=(same, repeats * len(idx)) if greedy else None)
+                              identical=(same, repeats * len(idx)) if greedy else None,
+                              repeated=compare.repeated_share([runs["auto"][0][i].tokens for i in idx]))
 
     if args.json:
         for i, p in enumerate(prompts):
@@ -760,14 +752,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     _add_spec_args(g)
     g.add_argument("--prompt")
-    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
+    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines, or a shipped "
+                                          f"set: {', '.join(SHIPPED)}")
     g.add_argument("--per-task", type=int, default=None, help="first N prompts of each task class")
     g.add_argument("--tasks", default=None, help="comma-separated task classes to keep")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.add_argument("--demo", action="store_true",
-                   help="two built-in prompts instead of --prompt: a configuration request (where "
+                   help="the shipped demo prompts instead of --prompt: a configuration request (where "
                         "speculation pays) and an open question (where auto falls back to plain)")
     g.add_argument("--repeats", type=int, default=None,
                    help="auto: runs of auto and of plain, in turns, behind the speedup's spread (default 3)")
@@ -879,7 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--conversations, --seq-len, --features) and write its features to --out; coverage: "
                         "how much of the target's greedy output on --prompts-file each draft vocabulary "
                         "(ranked from --cache, and --eagle's) holds, per task class, written to --out")
-    t.add_argument("--prompts-file", default=None, help="coverage: JSON lines with a task field")
+    t.add_argument("--prompts-file", default=None, help="coverage: JSON lines with a task field, or a shipped "
+                                                        "set (tasks, ops)")
     t.add_argument("--per-task", type=int, default=4, help="coverage: prompts per task class")
     t.add_argument("--eagle", default=None, help="coverage: also an EAGLE head's draft vocabulary")
     t.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or HF directory")
