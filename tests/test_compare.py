@@ -58,3 +58,30 @@ def test_auto_that_never_speculated_claims_no_speedup():
 def test_bad_input_is_refused(auto, plain, chunks, match):
     with pytest.raises(ValueError, match=match):
         compare.report("x", auto, plain, chunks, tau=1.0)
+
+
+def test_repeated_share_tells_a_loop_from_repeated_names():
+    loop = "services: web: image: nginx ports: - 8080:80".split() * 6  # one line of 7 words, six times
+    assert compare.repeated_share([loop]) == pytest.approx(35 / 42)  # all but the first 7 words
+    # a configuration file that names its service again and again, in short spans: no repetition
+    config = ("services: ledger: image: ledger:1.0 ports: - 3000:3000 environment: LEDGER_PORT: 3000 "
+              "LEDGER_DB: ledger-db depends_on: - ledger-db ledger-db: image: postgres:16 volumes: "
+              "- ledger-data:/var/lib/postgresql/data volumes: ledger-data:").split()
+    assert compare.repeated_share([config]) == 0.0
+    # each output is scanned on its own, the share counts every output's tokens
+    assert compare.repeated_share([loop, config]) == pytest.approx(35 / (42 + len(config)))
+    assert compare.repeated_share([]) == 0.0 and compare.repeated_share([[1, 2, 3]]) == 0.0
+
+
+def test_a_speedup_from_repetition_says_so():
+    r = _report([1.0, 1.0], [2.9, 2.9], {"ngram:8": 10}, repeated=0.83)
+    first, note = r.text().split("\n")
+    assert first.startswith("[config: auto tau 2.50") and "2.90x plain decoding" in first
+    assert note == ("[config: 83% of the output repeats 8-token spans it already wrote: the speedup comes "
+                    "largely from the model repeating itself]")
+    assert r.to_dict()["repeated"] == pytest.approx(0.83)
+    assert "\n" not in _report([1.0], [2.0], {"ngram:8": 10}, repeated=0.1).text()
+    # no speedup claimed, nothing to explain
+    assert "repeats" not in _report([1.0], [1.0], {"none": 10}, repeated=0.9).text()
+    with pytest.raises(ValueError, match="repeated=1.5"):
+        _report([1.0], [1.0], {"none": 1}, repeated=1.5)

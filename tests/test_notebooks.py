@@ -1,8 +1,10 @@
 """The notebooks run top to bottom (nbclient), and so does the README's Python example.
 
-They use the real SmolLM2-135M (fetched through the registry) and read `../shared/data` at run time.
+They use the real SmolLM2-135M (fetched through the catalog) and the prompt sets shipped in the package;
+they are what scripts/make_notebooks.py writes, and nothing that runs reads outside the repository.
 """
 
+import importlib.util
 import pathlib
 import re
 
@@ -17,6 +19,29 @@ pytestmark = pytest.mark.slow
 
 def test_there_are_the_four_notebooks():
     assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "functional_api", "acceptance_by_task", "train_heads"}
+
+
+def test_the_notebooks_are_what_their_sources_write():
+    spec = importlib.util.spec_from_file_location("make_notebooks", ROOT / "scripts" / "make_notebooks.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    nbformat = need_module("nbformat")
+    assert set(make.NOTEBOOKS) == {p.stem for p in NOTEBOOKS}
+    for path in NOTEBOOKS:
+        cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
+        assert cells(nbformat.read(path, as_version=4)) == cells(make.build(path.stem)), (
+            f"{path.name} differs from scripts/make_notebooks.py: edit the cells there and run it")
+
+
+def test_nothing_that_runs_reads_beside_the_repository():
+    # a user's clone has no sibling folder: the notebooks, the Makefile, the README's commands, the
+    # tests and CI read the package's own prompt sets (`--prompts-file tasks` / `ops`)
+    runs = [*NOTEBOOKS, ROOT / "Makefile", ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "scripts" / "make_notebooks.py",
+            *(ROOT / "tests").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    for path in runs:
+        if path.name == pathlib.Path(__file__).name or path.name in ("BENCHMARKS.md",):
+            continue
+        assert "../shared" not in path.read_text(encoding="utf-8"), f"{path.relative_to(ROOT)} reads ../shared"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -102,7 +102,8 @@ def report(runs: Runs, label: str, idx: Sequence[int]) -> compare.Report:
     tau = sum(len(a.tokens) - 1 for a in autos) / max(1, sum(a.target_forwards for a in autos))
     same = sum(a[i].tokens == p[i].tokens for a, p in zip(runs.auto, runs.plain) for i in idx)
     return compare.report(label, [pair(rep) for rep in runs.auto], [pair(rep) for rep in runs.plain], chunks,
-                          tau=tau, identical=(same, runs.repeats * len(idx)) if runs.greedy else None)
+                          tau=tau, identical=(same, runs.repeats * len(idx)) if runs.greedy else None,
+                          repeated=compare.repeated_share([rep[i].tokens for rep in runs.auto[:1] for i in idx]))
 
 
 def by_task(runs: Runs) -> list[compare.Report]:

@@ -1,10 +1,30 @@
-"""Prompt files: Spec-Bench-shaped JSON lines, or plain text (one prompt per line)."""
+"""Prompt files: Spec-Bench-shaped JSON lines, or plain text (one prompt per line), and the prompt sets
+the package ships.
+
+The shipped sets were written for this project (`specjax/bench/data/`, package data), so the commands,
+tests and notebooks run from a bare clone or an installed wheel; any file works in their place:
+- `tasks`: Spec-Bench's six task classes (mt_bench, translation, summarization, qa, math_reasoning,
+  rag), 8 prompts each;
+- `ops`: an operations assistant's two classes, configuration files (`config`, 14) and diagnostic
+  questions (`diagnostic`, 10);
+- `demo`: the two prompts of `specjax generate --demo` (`make run`).
+
+Example:
+  >>> [p.task for p in read_prompts("demo")]
+  ['configuration request', 'open question']
+  >>> len(read_prompts("tasks", per_task=2, tasks=("qa", "rag")))
+  4
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import pathlib
+
+SHIPPED = ("tasks", "ops", "demo")  # the sets under specjax/bench/data/, by name
+DEMO = "demo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,9 +34,28 @@ class Prompt:
     task: str | None = None
 
 
+def shipped(name: str) -> pathlib.Path:
+    """The file of the shipped prompt set `name` (one of `SHIPPED`)."""
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped prompt set {name!r}: the shipped sets are {', '.join(SHIPPED)}")
+    return pathlib.Path(str(importlib.resources.files(__package__) / "data" / f"{name}.jsonl"))
+
+
+def resolve(path: str | pathlib.Path) -> pathlib.Path:
+    """A prompt file: `path` where such a file exists, else the shipped set of that name."""
+    given = pathlib.Path(path)
+    if given.is_file():
+        return given
+    if str(path) in SHIPPED:
+        return shipped(str(path))
+    raise ValueError(f"prompt file {str(path)!r} does not exist (give a file, or a shipped set: "
+                     f"{', '.join(SHIPPED)})")
+
+
 def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
                  tasks: tuple[str, ...] | None = None) -> list[Prompt]:
-    """Reads prompts from `path`.
+    """Reads prompts from `path`: a file, or the name of a shipped set (`SHIPPED`; a file of that
+    name wins).
 
     JSON lines in the shape of Spec-Bench's question file (`question_id`, `task`, `turns`: the
     first turn is the prompt), or plain text lines. Blank lines are skipped.
@@ -25,9 +64,7 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
       per_task: keep only the first N prompts of each task class.
       tasks: keep only these task classes.
     """
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompt file {str(path)!r} does not exist")
+    path = resolve(path)
     lines = [(i, ln) for i, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if ln.strip()]
     if not lines:

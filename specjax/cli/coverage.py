@@ -11,7 +11,8 @@ SIZES = (4096, 8192, 16384)
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    t.add_argument("--prompts-file", default=None, help="coverage: JSON lines with a task field")
+    t.add_argument("--prompts-file", default=None, help="coverage: JSON lines with a task field, or a shipped "
+                                                        "set (tasks, ops)")
     t.add_argument("--per-task", type=int, default=4, help="coverage: prompts per task class")
     t.add_argument("--eagle", default=None, help="coverage: also an EAGLE head's draft vocabulary")
 

@@ -7,7 +7,7 @@ import argparse
 import pathlib
 import sys
 
-from specjax.bench.prompts import Prompt, read_prompts
+from specjax.bench.prompts import SHIPPED, Prompt, read_prompts
 from specjax.methods import registry
 
 
@@ -53,7 +53,8 @@ def add_prompt_selection(p: argparse.ArgumentParser) -> None:
 def add_bench(p: argparse.ArgumentParser) -> None:
     """What both benches share: the prompts, the budget, the chat template, the JSON output."""
     p.add_argument("--prompts-file", default=None,
-                   help="JSON lines with task and turns (default: a synthetic ~100-token prompt)")
+                   help=f"JSON lines with task and turns, or a shipped set ({', '.join(SHIPPED)}; "
+                        "default: a synthetic ~100-token prompt)")
     add_prompt_selection(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", dest="json_path", default=None, help="write the records to this path")

@@ -7,18 +7,8 @@ import argparse
 import json
 import sys
 
-from specjax.bench.prompts import Prompt
+from specjax.bench.prompts import DEMO, SHIPPED, Prompt, read_prompts
 from specjax.cli import flags, specs
-
-# `--demo`: what the library is for, in one run. Speculation pays where the answer repeats text it can
-# look up (a configuration file names its service, ports and paths again and again) and cannot where
-# every sentence is new (an open question): there auto falls back to plain decoding.
-DEMO_PROMPTS = (
-    Prompt(id="demo-config", task="configuration request",
-           text="Write a docker-compose.yml for a service called ledger (image node:20, port 3000) with Redis."),
-    Prompt(id="demo-question", task="open question", text="What makes a code review useful?"),
-)
-
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text (streams, or --json records)")
@@ -27,12 +17,13 @@ def add_parser(sub) -> None:
     flags.add_sampling(g)
     flags.add_methods(g)
     g.add_argument("--prompt")
-    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines")
+    g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines, or a shipped "
+                                          f"set: {', '.join(SHIPPED)}")
     flags.add_prompt_selection(g)
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.add_argument("--demo", action="store_true",
-                   help="two built-in prompts instead of --prompt: a configuration request (where "
+                   help="the shipped demo prompts instead of --prompt: a configuration request (where "
                         "speculation pays) and an open question (where auto falls back to plain)")
     g.add_argument("--repeats", type=int, default=None,
                    help="auto: runs of auto and of plain, in turns, behind the speedup's spread (default 3)")
@@ -64,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from specjax.serving.engine import Engine
 
     opts = _check(args)
-    prompts = flags.prompts_of(args, DEMO_PROMPTS)
+    prompts = flags.prompts_of(args, tuple(read_prompts(DEMO)))
     if args.method == "auto":
         return run_auto(args, opts, prompts)
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
