@@ -58,7 +58,6 @@ PROGRAM_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilatio
 
 from specjax.models import config as model_config  # noqa: E402
 from specjax.models import loader  # noqa: E402
-from specjax.models.kv_cache import KVCache  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -133,7 +132,7 @@ def full_logits(graphdef, params, tokens):
     cache: the reference that cached and speculative decoding are checked against."""
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+    return model(tokens, positions, model.init_cache(*tokens.shape)).logits
 
 
 def padded_logits(model, seqs, length: int | None = None) -> np.ndarray:

@@ -19,7 +19,6 @@ from tokenizers import Tokenizer as Backend
 from specjax.models import gguf_loader, hf_loader, linear, loader, catalog
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import GGUFError
-from specjax.models.kv_cache import KVCache
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 B, T = 2, 12
@@ -68,7 +67,7 @@ def flat_weights(model) -> dict[str, np.ndarray]:
 def _logits(graphdef, params, tokens):
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+    return model(tokens, positions, model.init_cache(*tokens.shape)).logits
 
 
 def logits(model) -> np.ndarray:

@@ -16,7 +16,6 @@ from flax import nnx
 
 from specjax.serving.engine import Engine
 from specjax.models import loader
-from specjax.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.oracle
 transformers = need_module("transformers")
@@ -30,7 +29,7 @@ NEW_TOKENS = 32
 def _logits(graphdef, params, tokens):
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+    return model(tokens, positions, model.init_cache(*tokens.shape)).logits
 
 
 def our_logits(model, ids) -> np.ndarray:

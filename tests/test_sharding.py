@@ -29,7 +29,6 @@ from specjax.core.decoder import Decoder, Inputs, new_tokens
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
-from specjax.models.kv_cache import KVCache
 from specjax.core.sampling import SamplingParams, filtered_logits
 
 # The suite runs on 2 fake CPU devices (conftest); this module needs 8 and runs in a process of its own
@@ -165,7 +164,7 @@ def test_reference_survives_a_perturbation_larger_than_mesh_noise(assets, refere
     target, draft, heads = assets
     seq = jnp.asarray([PROMPTS[1]], jnp.int32)
     pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
-    logits = lambda m: m(seq, pos, KVCache.zeros(m.config, 1, seq.shape[1])).logits
+    logits = lambda m: m(seq, pos, m.init_cache(1, seq.shape[1])).logits
     moved = float(jnp.abs(logits(_perturbed(target, 2e-7)) - logits(target)).max())
     assert 1e-5 < moved < 1e-4
     eng = _eng(_perturbed(target, 2e-7), draft=_perturbed(draft, 2e-7, seed=8),

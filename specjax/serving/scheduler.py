@@ -573,9 +573,8 @@ class Scheduler:
         batch state and the proposers' states, the n-gram table apart) and the n-gram table."""
         arrays = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
         weights = arrays(self.engine.params)
-        shared = {id(x) for x in weights} | {id(self.engine.model.embed[...])}
-        if not self.engine.config.tie_embeddings:
-            shared |= {id(self.engine.model.lm_head[...])}
+        model = self.engine.model
+        shared = {id(x) for x in weights} | {id(model.embed[...]), id(model.lm_head_weight()[0])}
         draft = list({id(x): x for x in arrays(self.batch.pparams) if id(x) not in shared}.values())
         table = arrays(self.batch.state.table)
         in_table = {id(x) for x in table}

@@ -51,9 +51,9 @@ class DraftModelProposer(Chain):
         model = nnx.merge(self.graphdef, params)
         prompts = inputs.prompts
         b, p = prompts.shape
-        cache = KVCache.zeros(model.config, b, state.capacity)
+        cache = model.init_cache(b, state.capacity, window=2)  # it feeds 2 tokens, then 1 at a time
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, cache = model.hidden_states(prompts, positions, cache)
+        _, cache = model.hidden_states(prompts, positions, cache, kept=inputs.prompt_lengths)
         return cache
 
     def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int | jax.Array):
