@@ -198,6 +198,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2, head_dim=128, ffn_dim=8960, rope_theta=1_000_000.0, norm_eps=1e-6,
         tie_embeddings=True, qkv_bias=True, max_seq_len=32768,
     ),
+    "gemma3-270m": ModelConfig(
+        name="gemma3-270m", family="gemma3", vocab_size=262144, dim=640, num_layers=18, num_heads=4,
+        num_kv_heads=1, head_dim=256, ffn_dim=2048, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+        norm_eps=1e-6, tie_embeddings=True, max_seq_len=32768, sliding_window=512,
+        layer_kinds=tuple(AttnKind.GLOBAL if (i + 1) % 6 == 0 else AttnKind.LOCAL for i in range(18)),
+        qk_norm=True, norm_offset=1.0, query_pre_attn_scalar=256.0, mlp_activation=Activation.GELU_TANH,
+        embed_scale=True,
+    ),
     "tiny": ModelConfig(
         name="tiny", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=8, ffn_dim=64, rope_theta=10_000.0, max_seq_len=512,

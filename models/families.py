@@ -70,8 +70,8 @@ def register(family: Family) -> Family:
         clash = (set(family.hf_architectures) & set(other.hf_architectures)) | (
             set(family.gguf_architectures) & set(other.gguf_architectures))
         if clash:
-            raise ValueError(f"family {family.name!r}: architecture {sorted(clash)[0]!r} is already "
-                             f"family {other.name!r}'s")
+            raise ValueError(f"family {family.name!r}: architecture {sorted(clash)[0]!r} already belongs to "
+                             f"family {other.name!r}")
     FAMILIES[family.name] = family
     return family
 

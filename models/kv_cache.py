@@ -44,8 +44,8 @@ class KVCache(sharding.Logical):
     cache serves, static.
     """
 
-    k: tuple[Float[Array, "B S Kv H"], ...]
-    v: tuple[Float[Array, "B S Kv H"], ...]
+    k: tuple[Float[Array, "B _ Kv H"], ...]  # S slots, or a ring layer's Sr
+    v: tuple[Float[Array, "B _ Kv H"], ...]
     length: int = struct.field(pytree_node=False)
     ring_slots: Int[Array, "B Sr"] | None = None  # the absolute slot each ring entry holds (-1: none)
 

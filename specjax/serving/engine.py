@@ -331,6 +331,9 @@ class Engine:
     # ---- input handling ------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
         """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
+        if chat and self.tokenizer is not None and not self.tokenizer.chat_template:
+            raise ValueError("chat=True (--chat) needs the model's chat template, and this model has none (a base "
+                             "model completes text): give the prompt as plain text, without --chat")
         out = []
         for i, p in enumerate(_prompt_list(prompts)):
             if isinstance(p, str):
