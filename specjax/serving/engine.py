@@ -331,7 +331,7 @@ class Engine:
     # ---- input handling ------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
         """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
-        if chat and self.tokenizer is not None and not self.tokenizer.chat_template:
+        if chat and self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat=True (--chat) needs the model's chat template, and this model has none (a base "
                              "model completes text): give the prompt as plain text, without --chat")
         out = []
