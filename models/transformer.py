@@ -61,10 +61,10 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, length: int, *, window: int | None = None) -> KVCache:
         """An empty cache for `batch` rows of `length` positions, one buffer per layer by its kind.
 
-        `window`: the widest forward that will write into it after the prefill (a decoder's verify
-        window); the sliding-window layers then keep a ring of `sliding_window - 1 + window`
-        entries instead of `length`. None: full buffers (any forward may write; a one-shot forward
-        over a whole sequence).
+        `window`: how far past the committed context writes may reach before the next commit (a
+        decoder's verify window; a draft model's K + 1), and so the widest forward; the
+        sliding-window layers then keep a ring of `sliding_window - 1 + window` entries instead of
+        `length`. None: full buffers (any forward may write; a one-shot forward over a sequence).
         """
         return KVCache.zeros(self.config, batch, length, window=window)
 

@@ -32,7 +32,8 @@ def random_model(config, seed=0):
     weights = {}
     for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         name, shape = ".".join(map(str, path)), v.shape
-        scale = 1.0 if name == "embed" else (shape[0] ** -0.5 if len(shape) == 2 else 0.3)
+        scale = (shape[-1] if name == "embed" else shape[0]) ** -0.5 if len(shape) == 2 else 0.3  # Gemma scales
+        # its embedding by sqrt(D): rows of unit scale then, which leave the attention a say
         weights[name] = (rng.normal(size=shape) * scale).astype(np.float32)
     return loader.model_from_weights(config, weights)
 

@@ -51,7 +51,8 @@ class DraftModelProposer(Chain):
         model = nnx.merge(self.graphdef, params)
         prompts = inputs.prompts
         b, p = prompts.shape
-        cache = model.init_cache(b, state.capacity, window=2)  # it feeds 2 tokens, then 1 at a time
+        # its writes reach k positions past what is committed (2 re-fed tokens, then its drafts one at a time)
+        cache = model.init_cache(b, state.capacity, window=self.k + 1)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, cache = model.hidden_states(prompts, positions, cache, kept=inputs.prompt_lengths)
         return cache
