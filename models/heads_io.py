@@ -63,7 +63,7 @@ def abstract_heads(config: HeadsConfig) -> MedusaHeads:
         base = None
         if config.own_projection:  # traced under eval_shape: nothing is allocated
             lm_head = jnp.zeros((config.dim, config.vocab_size), jnp.float32)
-            base = SimpleNamespace(config=SimpleNamespace(tie_embeddings=False), lm_head=lm_head)
+            base = SimpleNamespace(lm_head_weight=lambda: (lm_head, "kn"))
         return MedusaHeads(config, base=base)
 
     return nnx.eval_shape(make)

@@ -1,77 +1,33 @@
-"""Reads HF-format checkpoint directories: config.json + *.safetensors (Llama, Qwen2)."""
+"""Reads HF-format checkpoint directories: config.json + *.safetensors, of any registered family.
+
+The shapes every family shares are read here; the family (`specjax.models.families`, found by
+`architectures`) reads its own options and names its block's tensors. Every tensor of the files
+must be one the model has: an unknown one is an error naming it, never a silent skip.
+"""
 
 from __future__ import annotations
 
 import json
 import pathlib
-
 import numpy as np
 
-from specjax.models.config import ROPE_SCALING_KINDS, ModelConfig, RopeScaling
-
-_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.scale",
-    "post_attention_layernorm.weight": "mlp_norm.scale",
-    "self_attn.q_proj.weight": "attn.wq", "self_attn.k_proj.weight": "attn.wk",
-    "self_attn.v_proj.weight": "attn.wv", "self_attn.o_proj.weight": "attn.wo",
-    "self_attn.q_proj.bias": "attn.bq", "self_attn.k_proj.bias": "attn.bk",
-    "self_attn.v_proj.bias": "attn.bv",
-    "mlp.gate_proj.weight": "mlp.w_gate", "mlp.up_proj.weight": "mlp.w_up",
-    "mlp.down_proj.weight": "mlp.w_down",
-}
-
-
-def rope_from_hf(c: dict, where: str = "config.json") -> tuple[float, RopeScaling | None]:
-    """(rope_theta, rope scaling) of an HF config dict, read as transformers reads it.
-
-    The parameters sit under `rope_scaling` (transformers < 5; it wins when both are there, as in
-    transformers) or `rope_parameters` (>= 5), their kind under `rope_type` or the legacy `type`;
-    "default" or none is no scaling. A kind other than "llama3" or "linear" raises one line.
-    """
-    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{where}: per-layer rope parameters {params!r} are not supported; "
-                         "specjax reads one rope_scaling dict")
-    theta = float(params.get("rope_theta") or c.get("rope_theta") or 10_000.0)
-    kind = params.get("rope_type", params.get("type")) or "default"
-    if float(params.get("partial_rotary_factor", c.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
-    if kind == "default":
-        return theta, None
-    if kind not in ROPE_SCALING_KINDS:
-        raise ValueError(f"{where}: rope scaling {kind!r} is not supported; supported: "
-                         f"{', '.join(map(repr, ROPE_SCALING_KINDS))} or none (rope_type 'default')")
-    need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
-    missing = [k for k in need if params.get(k) is None]
-    if missing:
-        raise ValueError(f"{where}: rope scaling {kind!r} lacks {', '.join(missing)}")
-    if kind == "linear":
-        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
-    # as transformers' standardize_rope_params: a top-level original_max_position_embeddings wins
-    original = (c.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                or c.get("max_position_embeddings", 8192))
-    return theta, RopeScaling(kind="llama3", factor=float(params["factor"]),
-                              low_freq_factor=float(params["low_freq_factor"]),
-                              high_freq_factor=float(params["high_freq_factor"]), original_context=int(original))
-
+from specjax.models import families
+from specjax.models.config import ModelConfig
 
 def config_from_hf(path: str | pathlib.Path, *, name: str = "custom", **overrides) -> ModelConfig:
-    """Builds a `ModelConfig` from an HF `config.json`."""
+    """Builds a `ModelConfig` from an HF `config.json` (the family by its `architectures`)."""
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{str(path)!r} has no config.json; an HF model directory needs "
                          "config.json and *.safetensors")
     c = json.loads(cfg_file.read_text())
-    archs = c.get("architectures") or []
-    if archs and not set(archs) & set(_ARCHS):
-        raise ValueError(f"HF architecture {archs} is not supported; supported: {_ARCHS}")
+    where = str(cfg_file)
+    family, arch = families.for_hf(c.get("architectures") or ["LlamaForCausalLM"], where)
     heads = c["num_attention_heads"]
-    rope_theta, rope_scaling = rope_from_hf(c, str(cfg_file))
     kw = dict(
         name=name,
+        family=family.name,
         vocab_size=c["vocab_size"],
         dim=c["hidden_size"],
         num_layers=c["num_hidden_layers"],
@@ -79,21 +35,24 @@ def config_from_hf(path: str | pathlib.Path, *, name: str = "custom", **override
         num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         ffn_dim=c["intermediate_size"],
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=bool(c.get("attention_bias", "Qwen2ForCausalLM" in archs)),
         max_seq_len=int(c.get("max_position_embeddings", 8192)),
     )
+    kw.update(family.hf_options(c, arch, where))
     kw.update(overrides)
     return ModelConfig(**kw)
 
 
 def weights_from_hf(path: str | pathlib.Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Returns `{flat param path: float32 array}` from the directory's safetensors files."""
+    """Returns `{flat param path: float32 array}` from the directory's safetensors files.
+
+    Raises:
+      ValueError: a tensor the model has no place for, named.
+    """
     from safetensors.flax import load_file  # handles bf16, unlike the numpy reader
 
+    names = families.get(config.family).hf_layer_names
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{str(path)!r} has no *.safetensors files")
@@ -106,13 +65,14 @@ def weights_from_hf(path: str | pathlib.Path, config: ModelConfig) -> dict[str, 
             elif name == "model.norm.weight":
                 out["norm.scale"] = w
             elif name == "lm_head.weight":
-                if not config.tie_embeddings:
+                if not config.tie_embeddings:  # a tied checkpoint may store the copy too; HF ignores it
                     out["lm_head"] = w.T
-            elif name.startswith("model.layers."):
-                _, _, idx, rest = name.split(".", 3)
-                if rest not in _LAYER_NAMES:
-                    raise ValueError(
-                        f"{name}: specjax's Llama has no such parameter (an o_proj or MLP bias?); "
-                        "this checkpoint variant is not supported")
-                out[f"layers.{idx}.{_LAYER_NAMES[rest]}"] = w.T if w.ndim == 2 else w
+            elif name.startswith("model.layers.") and (parts := name.split(".", 3))[2].isdigit() \
+                    and int(parts[2]) < config.num_layers and parts[3] in names:
+                out[f"layers.{parts[2]}.{names[parts[3]]}"] = w.T if w.ndim == 2 else w
+            else:
+                raise ValueError(
+                    f"{f.name}: tensor {name!r} has no place in specjax's {config.family} model ({config.num_layers} "
+                    "layers; a bias, norm or layer this family does not have?): this checkpoint variant is "
+                    "not supported")
     return out

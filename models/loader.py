@@ -11,39 +11,45 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import gguf_loader, hf_loader, linear
+from specjax.models import families, gguf_loader, hf_loader, linear
 from specjax.models.config import PRESETS, ModelConfig
-from specjax.models.llama import Llama
+from specjax.models.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """A model ready to decode: NNX module, tokenizer, config, where it came from."""
 
-    model: Llama
+    model: Transformer
     tokenizer: object  # specjax.models.tokenizer.Tokenizer
     config: ModelConfig
     source: str  # file or directory the weights came from
     weights_id: str  # short hash of the weight file (manifests of trained heads refer to it)
 
 
-def init_model(config: ModelConfig, seed: int = 0) -> Llama:
-    """A randomly initialised model (tests, tiny configs)."""
-    return Llama(config, rngs=nnx.Rngs(seed))
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model of `config.family` (tests, tiny configs)."""
+    return families.build(config, nnx.Rngs(seed))
 
 
-def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
-    """Builds a `Llama` whose parameters are `weights` ({"layers.0.attn.wq": array, ...}).
+def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Transformer:
+    """Builds the model of `config.family` whose parameters are `weights` ({"layers.0.attn.wq": array, ...}).
 
     Projection weights come as `[K, N]` (`x @ w`) and are stored in `config.weight_layout`
-    (`specjax.models.linear`); shapes are checked in the `[K, N]` form."""
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    (`specjax.models.linear`); shapes are checked in the `[K, N]` form. Every parameter must be
+    given and every weight must be a parameter: a checkpoint is never half-loaded."""
+    abstract = nnx.eval_shape(lambda: families.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     expected = {".".join(str(p) for p in path): path for path in flat}
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ValueError(f"checkpoint lacks parameters {missing[:6]}{'...' if len(missing) > 6 else ''}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"checkpoint has parameters the {config.family} model with this config does not "
+                         f"({extra[:6]}{'...' if len(extra) > 6 else ''}): a bias or norm the config does not "
+                         "declare; this checkpoint variant is not supported")
     leaves = []
     for key, path in expected.items():
         want = flat[path]

@@ -1,9 +1,9 @@
 """Text <-> token ids, built from GGUF metadata or a Hugging Face tokenizer directory.
 
 A GGUF file carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and a
-pre-tokenizer name under llama.cpp's keys. We rebuild the byte-level BPE tokenizer from those with the
-`tokenizers` library, following llama.cpp's choice of split per `tokenizer.ggml.pre` (which is also
-what the original `tokenizer.json` of each model does):
+pre-tokenizer name under llama.cpp's keys. We rebuild the tokenizer from those with the `tokenizers`
+library: byte-level BPE following llama.cpp's choice of split per `tokenizer.ggml.pre` (which is also
+what the original `tokenizer.json` of each model does), or Gemma's SentencePiece BPE (`_gemma_sentencepiece`):
 
     tok = Tokenizer.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -60,6 +60,66 @@ def _byte_level_pipeline(pre: str) -> tuple[pre_tokenizers.PreTokenizer, normali
     return pipeline, normalizers.NFC() if pre == "qwen2" else None, pre != "qwen2"
 
 
+def _byte_level(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> _Backend:
+    """Byte-level BPE from the vocabulary, the merges and llama.cpp's pre-tokenizer name."""
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    pre_tokenizer, normalizer, ignore_merges = _byte_level_pipeline(pre)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    backend = _Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.normalizer = normalizer
+    backend.decoder = decoders.ByteLevel()
+    # Added tokens reuse their vocab ids (the contents are already in the vocab), so the size stays put;
+    # without them "<|im_start|>" in text would be cut into byte pieces.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    return backend
+
+
+_SENTENCEPIECE_ARCHS = ("gemma3",)
+
+
+def _gemma_sentencepiece(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> _Backend:
+    """Gemma's SentencePiece BPE (spaces as "▁", byte fallback, no prefix space) from a GGUF.
+
+    The file has the vocabulary but no merges, and spells its whitespace-only tokens with real spaces.
+    As transformers' GGUF conversion: those tokens are spelled with "▁" (one per character), the
+    merges are every split of a token into two vocabulary tokens, ranked by the token's place in the
+    file (Gemma's scores do not follow its merge order), and the pipeline is `GemmaTokenizer`'s.
+    """
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    rank = {t: -i for i, t in enumerate(spelled)}  # the file's order: earlier is merged first
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    backend = _Backend(models.BPE(vocab, _merges_by_rank(vocab, rank), unk_token=None if unk is None else spelled[unk],
+                                  fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    # user-defined tokens ("\n", "\n\n", "<table>", ...) match whole in the text; a respelled
+    # whitespace token is matched by the BPE instead, as in transformers
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+    return backend
+
+
+def _merges_by_rank(vocab: dict[str, int], rank: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a vocabulary implies: each token split into two vocabulary tokens at every place
+    that works, best rank first; ties: longer left, then longer right piece first (each token's own
+    splits first ordered by the pieces' ids)."""
+    merges = []
+    for token, score in rank.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(left, right, score) for left, right in splits]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
 def _field(reader: gguf.GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -76,7 +136,8 @@ def _token_id(backend: _Backend, token) -> int | None:
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer with the special ids and chat template of one checkpoint.
+    """A BPE tokenizer (byte-level, or SentencePiece's with byte fallback) with the special ids and chat
+    template of one checkpoint.
 
     Attributes:
         vocab_size: Number of ids, special tokens included.
@@ -110,24 +171,17 @@ class Tokenizer:
         """
         reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else gguf.GGUFReader(path_or_reader)
         kind = _field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            # SentencePiece-style vocabularies ("llama": scores, byte fallback, "▁" spaces) need another model.
-            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is supported")
-        pre = _field(reader, "tokenizer.ggml.pre", "default")
-        pre_tokenizer, normalizer, ignore_merges = _byte_level_pipeline(pre)
+        arch = _field(reader, "general.architecture")
         tokens = _field(reader, "tokenizer.ggml.tokens")
         types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-        backend = _Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=ignore_merges))
-        backend.pre_tokenizer = pre_tokenizer
-        backend.normalizer = normalizer
-        backend.decoder = decoders.ByteLevel()
-        # Added tokens reuse their vocab ids (the contents are already in the vocab), so the size stays put;
-        # without them "<|im_start|>" in text would be cut into byte pieces.
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        if kind == "gpt2":
+            backend = _byte_level(reader, tokens, types)
+        elif kind == "llama" and arch in _SENTENCEPIECE_ARCHS:
+            backend = _gemma_sentencepiece(reader, tokens, types)
+        else:
+            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r} for architecture {arch!r}: supported are "
+                             "byte-level BPE ('gpt2') and Gemma's SentencePiece ('llama' in a "
+                             f"{'/'.join(_SENTENCEPIECE_ARCHS)} file)")
         get_id = lambda key: _field(reader, f"tokenizer.ggml.{key}_token_id")  # noqa: E731
         return cls(backend, bos_id=get_id("bos"), eos_id=get_id("eos"), pad_id=get_id("padding"),
                    unk_id=get_id("unknown"), chat_template=_field(reader, "tokenizer.chat_template"),
@@ -177,7 +231,7 @@ class Tokenizer:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocab entry of `token_id` (in the byte-level alphabet, e.g. "Ġhello")."""
+        """The vocab entry of `token_id` as the vocabulary spells it ("Ġhello" byte-level, "▁hello" SentencePiece)."""
         return self._backend.id_to_token(int(token_id))
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs) -> str:

@@ -28,7 +28,7 @@ import optax
 
 from specjax.models import loader
 from specjax.models.config import preset
-from specjax.models.llama import rope, rope_inv_freq
+from specjax.models.layers.rope import inv_freq as rope_inv_freq, rope
 from specjax.train_heads import data as hdata
 from specjax.models.heads_io import shipped_heads_dir
 

@@ -241,7 +241,7 @@ def place_state(state, mesh: Mesh | None, *, kv_heads: int | None = None):
 
 
 def place_module(module: nnx.Module, mesh: Mesh | None) -> nnx.Module:
-    """A copy of `module` (a Llama or heads) with its params placed on `mesh`."""
+    """A copy of `module` (a model or heads) with its params placed on `mesh`."""
     if mesh is None:
         return module
     graphdef, state = nnx.split(module)

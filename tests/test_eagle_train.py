@@ -12,7 +12,6 @@ from flax import nnx
 
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.kv_cache import attention_mask
 from specjax.train_heads import eagle as train
 
 
@@ -32,7 +31,7 @@ def test_unroll_equals_drafting_with_the_cache(config):
     outs = head.unroll(feat, emb, 3)
     cache = head.cache(1, t)
     pos = jnp.arange(t)[None]
-    real, cache = head(feat, emb, pos, jnp.zeros(1, jnp.int32), attention_mask(jnp.zeros(1, jnp.int32), t, t), cache)
+    real, cache = head(feat, emb, pos, jnp.zeros(1, jnp.int32), cache)
     np.testing.assert_allclose(outs[0], real, atol=1e-5)
     for j in (1, 2):
         for tt in range(j, t):
@@ -40,7 +39,7 @@ def test_unroll_equals_drafting_with_the_cache(config):
             for i in range(1, j + 1):  # draft entries at positions tt - j + i
                 p = tt - j + i
                 start = jnp.array([p], jnp.int32)
-                g, c = head(g[:, None], emb[:, p:p + 1], jnp.array([[p]]), start, attention_mask(start, 1, t), c)
+                g, c = head(g[:, None], emb[:, p:p + 1], jnp.array([[p]]), start, c)
                 g = g[:, 0]
             np.testing.assert_allclose(outs[j][:, tt], g, atol=1e-5, err_msg=f"step {j} position {tt}")
 
@@ -55,9 +54,8 @@ def test_fused_features_read_the_residual_stream(tiny_model, tiny_config):
             EagleConfig.for_model(tiny_config, features="fused", feature_layers=bad, draft_vocab=32)
     cfg = EagleConfig.for_model(tiny_config, features="fused", feature_layers=(0, 1), draft_vocab=32)
     from specjax.models import eagle
-    from specjax.models.kv_cache import KVCache
     toks = jnp.arange(6)[None] % 64
-    out, f = eagle.target_features(tiny_model, cfg, toks, jnp.arange(6)[None], KVCache.zeros(tiny_config, 1, 6))
+    out, f = eagle.target_features(tiny_model, cfg, toks, jnp.arange(6)[None], tiny_model.init_cache(1, 6))
     assert f.shape == (1, 6, 2 * tiny_config.dim)
     emb = jnp.take(tiny_model.embed[...], toks, axis=0)
     np.testing.assert_allclose(f[..., : tiny_config.dim], emb, atol=1e-6)  # layer 0's input is the embedding

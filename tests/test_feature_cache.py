@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from specjax.models.eagle import EagleConfig
-from specjax.models.kv_cache import KVCache
 from specjax.train_heads import cache as fc
 from specjax.train_heads import eagle as train
 
@@ -31,7 +30,7 @@ def corpus(n: int, seed: int, lo: int = 5, hi: int = 30):
 
 def forward(model, toks, taps=()):
     t = len(toks)
-    out = model(jnp.asarray(toks)[None], jnp.arange(t)[None], KVCache.zeros(model.config, 1, t), taps=taps)
+    out = model(jnp.asarray(toks)[None], jnp.arange(t)[None], model.init_cache(1, t), taps=taps)
     logits = out.logits[0].astype(jnp.float32)
     return (np.asarray(out.hidden[0]), [np.asarray(x[0]) for x in out.taps],
             np.asarray(jax.nn.logsumexp(logits, axis=-1)), np.asarray(jnp.argmax(logits, axis=-1)))

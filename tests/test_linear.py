@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import sharding
 from specjax.models import config as model_config, eagle, heads, linear, loader
-from specjax.models.kv_cache import KVCache
 
 needs_kernel = pytest.mark.skipif(not linear.kernel_available(),
                                   reason=f"CPU dense kernel not built here: {linear.kernel_status()}")
@@ -168,7 +167,7 @@ def _pair(**over):
 
 
 def _forward(model, t):
-    cache = KVCache.zeros(model.config, 2, 64)
+    cache = model.init_cache(2, 64)
     toks = (jnp.arange(2 * t, dtype=jnp.int32).reshape(2, t) * 7) % model.config.vocab_size
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t)) + 3
     graphdef, params = nnx.split(model)

@@ -19,7 +19,6 @@ from tokenizers import Tokenizer as Backend
 from specjax.models import gguf_loader, hf_loader, linear, loader, catalog
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import GGUFError
-from specjax.models.kv_cache import KVCache
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 B, T = 2, 12
@@ -35,6 +34,16 @@ CONFIGS = {
     "qwen2": ModelConfig(name="src", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=8, ffn_dim=64, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True,
                          tie_embeddings=False, max_seq_len=512),
+    # Qwen3: q/k norm, no bias, head_dim * heads != dim
+    "qwen3": ModelConfig(name="src", family="qwen3", vocab_size=64, dim=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, ffn_dim=64, rope_theta=1_000_000.0, norm_eps=1e-6,
+                         qk_norm=True, max_seq_len=512),
+    # Gemma 3: four 1 + w norms a block, a global layer between sliding ones, its own local rope base
+    "gemma3": ModelConfig(name="src", family="gemma3", vocab_size=64, dim=32, num_layers=3, num_heads=4,
+                          num_kv_heads=1, head_dim=8, ffn_dim=64, rope_theta=1_000_000.0, rope_local_theta=100.0,
+                          norm_eps=1e-6, max_seq_len=512, layer_kinds=("local", "global", "local"),
+                          sliding_window=4, qk_norm=True, norm_offset=1.0, query_pre_attn_scalar=8.0,
+                          mlp_activation="gelu_tanh", embed_scale=True),
 }
 
 
@@ -68,7 +77,7 @@ def flat_weights(model) -> dict[str, np.ndarray]:
 def _logits(graphdef, params, tokens):
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model(tokens, positions, KVCache.zeros(model.config, *tokens.shape)).logits
+    return model(tokens, positions, model.init_cache(*tokens.shape)).logits
 
 
 def logits(model) -> np.ndarray:
@@ -213,6 +222,8 @@ _GGUF_LAYER = {
         ("attn.bq", _T.ATTN_Q, ".bias"), ("attn.bk", _T.ATTN_K, ".bias"), ("attn.bv", _T.ATTN_V, ".bias"),
         ("mlp.w_gate", _T.FFN_GATE, ".weight"), ("mlp.w_up", _T.FFN_UP, ".weight"),
         ("mlp.w_down", _T.FFN_DOWN, ".weight"),
+        ("attn.q_norm.scale", _T.ATTN_Q_NORM, ".weight"), ("attn.k_norm.scale", _T.ATTN_K_NORM, ".weight"),
+        ("post_attn_norm.scale", _T.ATTN_POST_NORM, ".weight"), ("post_mlp_norm.scale", _T.FFN_POST_NORM, ".weight"),
     ]
 }
 
@@ -224,7 +235,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(path: pathlib.Path, model, *, arch: str = "llama", qtype: str = "F32", tokenizer: bool = True,
                permute: bool = True, vocab_key: bool = True, extra=None) -> pathlib.Path:
-    """A GGUF as llama.cpp's converter writes it: torch-layout tensors, q/k permuted for `llama`.
+    """A GGUF as llama.cpp's converter writes it: torch-layout tensors, q/k permuted for `llama`,
+    Gemma's norms stored as 1 + w with its window, layer pattern and local rope base.
 
     qtype applies to the 2-D matrices; norms and biases stay F32, as in llama.cpp's exports.
     Without `tokenizer`, `{arch}.vocab_size` says the vocabulary size instead (unless not `vocab_key`).
@@ -250,9 +262,15 @@ def write_gguf(path: pathlib.Path, model, *, arch: str = "llama", qtype: str = "
         writer.add_eos_token_id(SPECIALS.index("<|im_end|>"))
     elif vocab_key:
         writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([k == "local" for k in c.layer_kinds])
+        writer.add_rope_freq_base_swa(c.rope_local_theta)
     if extra is not None:
         extra(writer)
     for name, w in flat_weights(model).items():
+        if arch == "gemma3" and name.endswith("norm.scale"):
+            w = w + np.float32(1.0)
         if name == "embed":
             g = gguf.TENSOR_NAMES[_T.TOKEN_EMBD] + ".weight"
         elif name == "norm.scale":
@@ -286,7 +304,8 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return config, gguf_loader.weights_from_gguf(reader, config)
 
 
-@pytest.mark.parametrize("name, arch", [("llama", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("name, arch", [("llama", "llama"), ("llama-untied", "llama"), ("qwen2", "qwen2"),
+                                        ("qwen3", "qwen3"), ("gemma3", "gemma3")])
 def test_gguf_round_trip_f32(tmp_path, sources, source_logits, name, arch):
     """F32 tensors come back bit-exact, q/k un-permuted, and the model gives the source's logits."""
     src = sources[name]
@@ -295,9 +314,10 @@ def test_gguf_round_trip_f32(tmp_path, sources, source_logits, name, arch):
     _assert_same_config(lm.config, src.config)
     loaded, want = flat_weights(lm.model), flat_weights(src)
     assert loaded.keys() == want.keys()
-    for k in want:
-        np.testing.assert_array_equal(loaded[k], want[k], err_msg=k)
-    np.testing.assert_allclose(logits(lm.model), source_logits[name], rtol=0, atol=1e-5)
+    for k in want:  # Gemma's norms come back from 1 + w: equal to float32 rounding
+        np.testing.assert_allclose(loaded[k], want[k], rtol=0, atol=1e-6 if arch == "gemma3" else 0, err_msg=k)
+    ref = source_logits[name]
+    np.testing.assert_allclose(logits(lm.model), ref, rtol=0, atol=2e-6 * max(5.0, np.abs(ref).max()))
     assert lm.tokenizer.eos_id in lm.tokenizer.stop_ids and lm.tokenizer.encode("abc") == [3, 4, 5]
 
 
@@ -398,6 +418,98 @@ def test_gguf_unknown_architecture(tmp_path, sources):
     path = write_gguf(tmp_path / "src.gguf", sources["llama"], arch="mamba", tokenizer=False)
     with pytest.raises(GGUFError, match="architecture 'mamba' is not supported.*llama"):
         gguf_loader.config_from_gguf(gguf_loader.open_reader(path))
+
+
+def _with_tensor(path, name, shape=(8,)):
+    """A copy of GGUF `path` with one more F32 tensor `name`."""
+    reader = gguf_loader.open_reader(path)
+    out = path.with_name("extra.gguf")
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        value = field.contents()
+        types = field.types
+        if types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, types[0])
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor(name, np.ones(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("extra", ["blk.0.attn_q_norm.weight", "blk.0.ffn_gate_inp.weight", "blk.7.attn_norm.weight",
+                                   "rope_factors_long.weight"])
+def test_gguf_unknown_tensor_is_named(tmp_path, sources, extra):
+    """A tensor the model has no place for (a q/k norm in a llama file, a MoE router, a layer past
+    the block count) is refused by name; nothing is half-loaded."""
+    path = _with_tensor(write_gguf(tmp_path / "src.gguf", sources["llama"], tokenizer=False), extra)
+    with pytest.raises(GGUFError, match=f"tensor '{extra}' has no place in specjax's llama model"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("arch, key, match", [
+    ("llama", "llama.attention.sliding_window", "sliding window in a 'llama' GGUF is not supported"),
+    ("qwen3", "qwen3.attention.sliding_window", "sliding-window qwen3 GGUF is not supported"),
+])
+def test_gguf_sliding_window_it_cannot_place_is_refused(tmp_path, sources, arch, key, match):
+    path = write_gguf(tmp_path / "src.gguf", sources["qwen3" if arch == "qwen3" else "llama"], arch=arch,
+                      tokenizer=False, extra=lambda w: w.add_uint32(key, 16))
+    with pytest.raises(GGUFError, match=match):
+        gguf_loader.config_from_gguf(gguf_loader.open_reader(path))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("model.layers.0.self_attn.q_norm.weight", "tensor 'model.layers.0.self_attn.q_norm.weight' has no place"),
+    ("model.layers.2.mlp.up_proj.weight", "tensor 'model.layers.2.mlp.up_proj.weight' has no place"),
+    ("model.layers.0.self_attn.o_proj.bias", "tensor 'model.layers.0.self_attn.o_proj.bias' has no place"),
+    ("model.layers.0.self_attn.q_proj.bias", r"parameters the llama model with this config does not "
+                                             r"\(\['layers.0.attn.bq'\]\)"),
+])
+def test_hf_unknown_tensor_is_named(tmp_path, sources, extra, match):
+    """A Llama directory with a tensor its config gives no place (a q/k norm, a layer past the
+    count, an o_proj bias, a q bias without attention_bias) is refused by name."""
+    from safetensors.numpy import load_file
+
+    path = write_hf_dir(tmp_path / "src", sources["llama"], "LlamaForCausalLM")
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({**tensors, extra: np.ones((32,), np.float32)}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        loader.load(str(path))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layer_types=["sliding_attention", "chunked_attention"], sliding_window=4),
+     "layer type 'chunked_attention' is not supported"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "names sliding layers but sliding_window is None"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn' is not supported"),
+])
+def test_hf_config_it_cannot_honour_is_refused(tmp_path, sources, change, match):
+    path = write_hf_dir(tmp_path / "src", sources["qwen2"], "Qwen2ForCausalLM")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=match):
+        hf_loader.config_from_hf(path)
+
+
+def test_config_options_are_enums_refused_in_one_line():
+    base = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64)
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported; supported: 'linear', 'llama3'"):
+        ModelConfig(**base, rope_scaling={"kind": "yarn"})
+    with pytest.raises(ValueError, match="MLP activation 'relu' is not supported"):
+        ModelConfig(**base, mlp_activation="relu")
+    with pytest.raises(ValueError, match="attention kind 'chunked' is not supported"):
+        ModelConfig(**base, layer_kinds=("chunked", "global"))
+    with pytest.raises(ValueError, match="local .sliding-window. layers need sliding_window"):
+        ModelConfig(**base, layer_kinds=("local", "global"))
+    with pytest.raises(ValueError, match="layer_kinds has 1 entries for 2 layers"):
+        ModelConfig(**base, layer_kinds=("global",))
 
 
 # ---- model_from_weights and names --------------------------------------------------------------

@@ -15,7 +15,6 @@ from specjax.methods.config import TREES, SpecConfig
 from specjax.serving.engine import Engine
 from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.models.kv_cache import KVCache
 from specjax.core.proposer import Stateless
 from specjax.core.sampling import Greedy, SamplingParams
 from specjax.models.heads import HeadsConfig, MedusaHeads
@@ -151,7 +150,7 @@ def test_tree_node_logits_equal_a_chain_over_its_path(tiny_model, key):
     prompts = jax.random.randint(key, (b, p), 0, cfg.vocab_size)
     nodes = jax.random.randint(jax.random.key(1), (b, len(tree)), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(p), (b, p))
-    _, cache = tiny_model.hidden_states(prompts[:, :-1], pos[:, :-1], KVCache.zeros(cfg, b, s))
+    _, cache = tiny_model.hidden_states(prompts[:, :-1], pos[:, :-1], tiny_model.init_cache(b, s))
     window = jnp.concatenate([prompts[:, -1:], nodes], axis=1)
     start = jnp.full((b,), p - 1)
     mask = jnp.broadcast_to(jnp.asarray(topo.ancestors), (b,) + topo.ancestors.shape)
@@ -159,8 +158,8 @@ def test_tree_node_logits_equal_a_chain_over_its_path(tiny_model, key):
                      window_mask=mask)
     # jitted: one program per path length, not an eager dispatch per operation
     forward = jax.jit(lambda toks: tiny_model(toks, jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape),
-                                              KVCache.zeros(cfg, b, s)))
-    compact = jax.jit(tree_lib.compact)
+                                              tiny_model.init_cache(b, s)))
+    compact = jax.jit(lambda cache, start, path: cache.compact(start, path))
     for w in range(1, len(topo.depth)):
         path = [v for v in range(w + 1) if topo.ancestors[w, v]]
         toks = jnp.concatenate([prompts, window[:, path[1:]]], axis=1)

@@ -17,10 +17,10 @@ from conftest import need_module
 from test_loaders import flat_weights, random_model, write_gguf
 from test_oracle import hf_logits, our_logits
 
-from specjax.models import eagle, gguf_loader, hf_loader, loader
+from specjax.models import eagle, gguf_loader, hf_config, hf_loader, loader
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.gguf_loader import GGUFError
-from specjax.models.llama import rope_inv_freq
+from specjax.models.layers.rope import inv_freq as rope_inv_freq
 
 transformers = need_module("transformers")
 torch = need_module("torch")
@@ -122,7 +122,7 @@ def _config(rope: dict, head_dim: int, theta: float = 10_000.0) -> ModelConfig:
     c = json.loads(transformers.LlamaConfig(**{**TINY, "rope_theta": theta}, head_dim=head_dim,
                                             rope_scaling=dict(rope)).to_json_string())
     c["architectures"] = ["LlamaForCausalLM"]
-    theta_read, scaling = hf_loader.rope_from_hf(c)
+    theta_read, scaling = hf_config.rope_from_hf(c)
     assert theta_read == theta
     return ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                        ffn_dim=64, rope_theta=theta, rope_scaling=scaling)

@@ -29,7 +29,6 @@ from specjax.core.decoder import Decoder, Inputs, new_tokens
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
-from specjax.models.kv_cache import KVCache
 from specjax.core.sampling import SamplingParams, filtered_logits
 
 # The suite runs on 2 fake CPU devices (conftest); this module needs 8 and runs in a process of its own
@@ -165,7 +164,7 @@ def test_reference_survives_a_perturbation_larger_than_mesh_noise(assets, refere
     target, draft, heads = assets
     seq = jnp.asarray([PROMPTS[1]], jnp.int32)
     pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
-    logits = lambda m: m(seq, pos, KVCache.zeros(m.config, 1, seq.shape[1])).logits
+    logits = lambda m: m(seq, pos, m.init_cache(1, seq.shape[1])).logits
     moved = float(jnp.abs(logits(_perturbed(target, 2e-7)) - logits(target)).max())
     assert 1e-5 < moved < 1e-4
     eng = _eng(_perturbed(target, 2e-7), draft=_perturbed(draft, 2e-7, seed=8),
@@ -224,6 +223,19 @@ def test_functional_api_on_a_mesh(assets, reference):
         specjax.generate(target, inputs, decoder=dec, mesh=sharding.make_mesh("data=4,model=2"))
 
 
+def test_gemma3_with_its_ring_on_a_mesh_equals_one_device():
+    """A tiny Gemma 3 (sliding layers in a ring, its bookkeeping batch-sharded) on a 4 x 2 mesh: the
+    plain loop and prompt lookup give the one-device tokens."""
+    from test_kv_cache import CONFIG, random_model
+
+    model = random_model(CONFIG)
+    for spec in (None, SpecConfig(method="ngram", k=4)):
+        kw = {} if spec is None else dict(spec=spec)
+        one = _eng(model).generate(PROMPTS, **GREEDY, **kw)
+        mesh = _eng(model, mesh=sharding.make_mesh(data=4, model=2)).generate(PROMPTS, **GREEDY, **kw)
+        _same(mesh, one)
+
+
 # ---- layout ------------------------------------------------------------------------------------
 
 
@@ -232,7 +244,10 @@ def test_every_parameter_has_logical_axes(assets):
     own = MedusaHeads(HeadsConfig.for_model(target.config, own_projection=True, token_input=True),
                       base=target, rngs=nnx.Rngs(0))
     qwen_like = loader.init_model(model_config.preset("tiny", qkv_bias=True, tie_embeddings=False))
-    for module in (target, draft, heads, own, qwen_like, _eagle_head(target)):
+    from test_kv_cache import CONFIG as GEMMA3  # q/k norms, four norms a block
+
+    gemma_like = loader.init_model(GEMMA3)
+    for module in (target, draft, heads, own, qwen_like, gemma_like, _eagle_head(target)):
         for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
             assert sharding.axes_of(v) is not None and len(sharding.axes_of(v)) == v.ndim, path
 

@@ -250,7 +250,7 @@ def _state(lengths, *, capacity, max_new=100, stop=()):
     return DecodeState(
         tokens=jnp.zeros((b, capacity), jnp.int32), lengths=jnp.asarray(lengths, jnp.int32),
         prompt_lengths=jnp.full((b,), 2, jnp.int32), max_new=jnp.full((b,), max_new, jnp.int32),
-        done=jnp.zeros((b,), bool), cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b),
+        done=jnp.zeros((b,), bool), cache=KVCache(k=(), v=(), length=0), sampling=SamplingParams.create(b),
         stop_ids=jnp.asarray(stop_ids), keys=jax.random.split(jax.random.key(0), b),
         row_forwards=jnp.zeros((b,), jnp.int32), shared=Shared(forwards=jnp.zeros((), jnp.int32)))
 
@@ -353,7 +353,7 @@ def test_ngram_lookup_under_strict_rank_promotion():
 
 
 def test_verify_positions_under_strict_rank_promotion(tiny_model):
-    state = _state([3], capacity=8).replace(cache=KVCache.zeros(tiny_model.config, 1, 8))
+    state = _state([3], capacity=8).replace(cache=tiny_model.init_cache(1, 8))
     with jax.numpy_rank_promotion("raise"):
         try:
             verify(tiny_model, state, jnp.zeros((1, 2), jnp.int32), chain_topology(2))
@@ -369,7 +369,7 @@ def test_draft_propose_under_strict_rank_promotion(tiny_model):
     with jax.numpy_rank_promotion("raise"):
         try:
             DraftModelProposer(k=2, graphdef=graphdef).propose(
-                params, KVCache.zeros(tiny_model.config, 1, 8), state, Greedy(), state.keys)
+                params, tiny_model.init_cache(1, 8), state, Greedy(), state.keys)
         except ValueError as e:  # count only the proposer's own line, not the model's bug
             ours = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" not in f.filename]
             assert ours[-1].name == "propose", f"failed at {ours[-1].filename}:{ours[-1].lineno}"

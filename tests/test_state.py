@@ -26,7 +26,7 @@ def _state(lengths, *, capacity=8, prompt=2, max_new=100, stop=(-1,), blank=Fals
         tokens=tokens, lengths=jnp.asarray(lengths, jnp.int32),
         prompt_lengths=jnp.full((b,), prompt, jnp.int32),
         max_new=jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)), done=jnp.zeros((b,), bool),
-        cache=KVCache(k=(), v=()), sampling=SamplingParams.create(b), stop_ids=stop_ids,
+        cache=KVCache(k=(), v=(), length=0), sampling=SamplingParams.create(b), stop_ids=stop_ids,
         keys=jax.random.split(jax.random.key(seed), b), row_forwards=jnp.zeros((b,), jnp.int32),
         shared=Shared(forwards=jnp.zeros((), jnp.int32)),
     )

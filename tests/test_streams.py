@@ -14,7 +14,6 @@ import pytest
 from specjax.methods.config import SpecConfig
 from specjax.core.decoder import row_keys
 from specjax.serving.engine import Engine, GenerateOptions
-from specjax.models.kv_cache import KVCache
 from specjax.serving.scheduler import Scheduler
 
 PROMPT = [5, 9, 12, 5, 9, 12, 5, 9]
@@ -36,7 +35,7 @@ def _pairs_equal(samples):
 def per_row_first_token(tiny_model):
     """P(first token | PROMPT) at temperature 1 (the same for every row)."""
     toks = jnp.asarray([PROMPT])
-    logits = tiny_model(toks, jnp.arange(len(PROMPT))[None], KVCache.zeros(tiny_model.config, 1, 16)).logits
+    logits = tiny_model(toks, jnp.arange(len(PROMPT))[None], tiny_model.init_cache(1, 16)).logits
     return np.asarray(jax.nn.softmax(logits[0, -1]))
 
 

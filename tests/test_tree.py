@@ -1,5 +1,5 @@
 """`specjax.core.tree`: a tree's static topology, the checks on its paths, the traced `Window` of a dynamic
-tree, and the move of an accepted path's K/V to consecutive cache slots (`compact`)."""
+tree, and the move of an accepted path's K/V to consecutive cache slots (`KVCache.compact`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +70,7 @@ def _cache(b=2, s=16, layers=2, kv=2, h=3):
     base = 1000.0 * np.arange(b)[:, None] + np.arange(s)[None, :]
     bufs = [np.broadcast_to((base + 0.01 * layer)[:, :, None, None], (b, s, kv, h)).astype(np.float32)
             for layer in range(layers)]
-    return KVCache(k=tuple(jnp.asarray(x) for x in bufs), v=tuple(jnp.asarray(-x) for x in bufs))
+    return KVCache(k=tuple(jnp.asarray(x) for x in bufs), v=tuple(jnp.asarray(-x) for x in bufs), length=s)
 
 
 def test_compact_moves_the_accepted_path_to_consecutive_slots():
@@ -79,7 +79,7 @@ def test_compact_moves_the_accepted_path_to_consecutive_slots():
     cache = _cache()
     start = jnp.asarray([3, 6])
     path = jnp.asarray([[0, 2, 5], [0, 1, 3]])
-    moved = tree_lib.compact(cache, start, path)
+    moved = cache.compact(start, path)
     for layer in range(2):
         for bufs, sign in ((moved.k, 1), (moved.v, -1)):
             got = np.asarray(bufs[layer][:, :, 0, 0]) * sign

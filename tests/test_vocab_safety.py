@@ -23,7 +23,6 @@ from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import eagle_io, heads_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
-from specjax.models.kv_cache import KVCache
 from specjax.methods import EagleProposer, MedusaProposer, NgramProposer
 from specjax.core.proposer import Stateless
 from specjax.core.sampling import Greedy, Sample
@@ -142,7 +141,7 @@ def test_verify_logits_finite_for_any_id(tiny_model):
     """The target's forward over a window of out-of-range ids: every logit is finite."""
     v = tiny_model.config.vocab_size
     nodes = bad_ids(v)[None, :]
-    state = _state([3], capacity=16).replace(cache=KVCache.zeros(tiny_model.config, 1, 16))
+    state = _state([3], capacity=16).replace(cache=tiny_model.init_cache(1, 16))
     out = jax.jit(lambda s, n: verify(tiny_model, s, n, chain_topology(n.shape[1])))(state, nodes)
     assert bool(jnp.isfinite(out.logits).all())
     for buf in (*out.cache.k, *out.cache.v):

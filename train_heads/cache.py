@@ -47,7 +47,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from specjax.models.kv_cache import KVCache
 from specjax.train_heads.data import TokenData, atomic_write, permutation
 
 FORMAT = "specjax-feature-cache/1"
@@ -69,7 +68,7 @@ def _forward(graphdef, params, tokens, *, taps: tuple[int, ...], dtype):
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = model(tokens, positions, KVCache.zeros(model.config, b, t), taps=taps)
+    out = model(tokens, positions, model.init_cache(b, t), taps=taps)
     logits = out.logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     top = jnp.argmax(logits, axis=-1).astype(jnp.int32)

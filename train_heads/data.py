@@ -33,7 +33,6 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from specjax.models import catalog
-from specjax.models.kv_cache import KVCache
 
 SHAREGPT = catalog.ModelSource(
     name="sharegpt", preset="",
@@ -161,7 +160,7 @@ def _hidden(graphdef, params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return model.hidden_states(tokens, positions, KVCache.zeros(model.config, b, t))[0]
+    return model.hidden_states(tokens, positions, model.init_cache(b, t))[0]
 
 
 def teacher_force(model: nnx.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

@@ -52,7 +52,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from specjax.models import eagle as eagle_model
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.kv_cache import KVCache
 from specjax.train_heads.checkpoint import ResumableRun, TrainCheckpoints
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -249,7 +248,7 @@ def teacher(target, config: EagleConfig, tokens):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out, feats = eagle_model.target_features(target, config, tokens, positions,
-                                             KVCache.zeros(target.config, b, t))
+                                             target.init_cache(b, t))
     logits = out.logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     top = jnp.argmax(logits, axis=-1).astype(jnp.int32)

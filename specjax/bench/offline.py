@@ -50,8 +50,6 @@ def measure_bandwidth(mib: int = 512, repeats: int = 7) -> float:
 
 def window_costs(model, cache_len: int = 384, at: int = 200, windows=(1, 5, 9), repeats: int = 20):
     """Median ms of one jitted forward over T new tokens at a fixed cache length, per T."""
-    from specjax.models.kv_cache import KVCache
-
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -59,7 +57,7 @@ def window_costs(model, cache_len: int = 384, at: int = 200, windows=(1, 5, 9), 
         out = nnx.merge(graphdef, params)(tokens, positions, cache)
         return out.logits, out.cache
 
-    cache = KVCache.zeros(model.config, 1, cache_len)
+    cache = model.init_cache(1, cache_len)
     res = {}
     for t in windows:
         toks = jnp.ones((1, t), jnp.int32)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import config as model_config, linear
+from specjax.models import config as model_config, families, linear
 
 FORMS = ("kn", "nk-xla", "nk")
 WINDOWS = (1, 4, 5, 9, 16)
@@ -205,11 +205,9 @@ def matmul_profile(config, *, windows=WINDOWS, forms=FORMS, repeats: int = 15, n
 
 
 def constant_model(config):
-    """A `Llama` of `config`'s shapes with constant weights (timing does not depend on values;
+    """A model of `config`'s shapes with constant weights (timing does not depend on values;
     cheap to make at 1.5B)."""
-    from specjax.models.llama import Llama
-
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: families.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     state = jax.tree.map(lambda v: jnp.full(v.shape, 0.02, v.dtype), state)
     return nnx.merge(graphdef, state)
@@ -219,7 +217,6 @@ def forward_profile(models: dict, *, windows=WINDOWS, repeats: int = 15, cache_l
                     at: int = 200) -> list[dict]:
     """Whole jitted forwards (logits for all T rows, as verify computes them) at a fixed cache length:
     ms per T for each named model variant, interleaved over variants and T."""
-    from specjax.models.kv_cache import KVCache
 
     fns = {}
     for label, (model, kernel) in models.items():
@@ -231,7 +228,7 @@ def forward_profile(models: dict, *, windows=WINDOWS, repeats: int = 15, cache_l
 
         with _kernel(kernel):
             f = jax.jit(fwd)
-            cache = KVCache.zeros(model.config, 1, cache_len)
+            cache = model.init_cache(1, cache_len)
             for t in windows:
                 toks = jnp.ones((1, t), jnp.int32)
                 pos = at + jnp.arange(t, dtype=jnp.int32)[None]
@@ -283,7 +280,7 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
             r["flop_floor_ms"] = 2 * r["M"] * r["K"] * r["N"] / peak * 1e3
     if forward:
         # "kn" without the kernel is the formulation before it (x @ w, the tied head an einsum)
-        big = cfg.num_params * 4 > 2e9  # one layout at a time: two 1.5B fp32 copies may not fit
+        big = families.num_params(cfg) * 4 > 2e9  # one layout at a time: two 1.5B fp32 copies may not fit
         variants = {"kn": ("kn", False), "nk-xla": ("nk", False), "nk": ("nk", True)}
         if big or "nk-xla" not in forms:
             del variants["nk-xla"]
@@ -295,7 +292,7 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
         groups = [[v] for v in variants] if big else [list(variants)]
         import psutil
 
-        need = cfg.num_params * 4 * (1.3 if big else 1.1 * len(variants))
+        need = families.num_params(cfg) * 4 * (1.3 if big else 1.1 * len(variants))
         if psutil.virtual_memory().available < need:
             log(f"  forward skipped: {need / 2**30:.1f} GiB needed, "
                 f"{psutil.virtual_memory().available / 2**30:.1f} GiB available")
@@ -304,10 +301,10 @@ def profile(preset: str, *, windows=WINDOWS, repeats: int = 15, forward: bool = 
             models = {v: (constant_model(dataclasses.replace(cfg, weight_layout=variants[v][0])), variants[v][1])
                       for v in group}
             rows = forward_profile(models, windows=windows, repeats=repeats)
-            wbytes = cfg.num_params * 4
+            wbytes = families.num_params(cfg) * 4
             for r in rows:
                 r["mem_floor_ms"] = wbytes / bw * 1e3
-                r["flop_floor_ms"] = 2 * r["T"] * cfg.num_params / peak * 1e3
+                r["flop_floor_ms"] = 2 * r["T"] * families.num_params(cfg) / peak * 1e3
             log("  forward " + "  ".join(f"{r['variant']}@{r['T']} {r['ms']:.1f}ms ({r['ratio']:.2f}x)" for r in rows))
             rec["forward"] += rows
             del models

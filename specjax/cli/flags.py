@@ -13,7 +13,7 @@ from specjax.methods import registry
 
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="registry name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), "
+                   help="catalogue name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m), "
                         ".gguf file or HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (float32 is the fast one on CPU)")

@@ -50,8 +50,7 @@ from specjax.core import acceptance
 from specjax.core import sampling
 from specjax.core import tree
 from specjax.core.proposer import Proposer
-from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Llama, Output
+from specjax.models.transformer import Output, Transformer
 from specjax.core.ngram_table import NgramTable, TableConfig
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn,
@@ -238,7 +237,7 @@ class State:
     stats: Stats
 
 
-def verify(target: Llama, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology,
+def verify(target: Transformer, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology,
            taps: tuple[int, ...] = ()) -> Output:
     """One target forward over [pending token, nodes] at positions `lengths - 1 + depth`.
 
@@ -322,25 +321,29 @@ class Decoder:
         return self.topology.max_depth
 
     # ---- prefill ---------------------------------------------------------------------------
-    def prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
+    def prefill_target(self, model: Transformer, inputs: Inputs, *,
+                       window: int | None = None) -> tuple[DecodeState, Array]:
         """Runs the prompts through the target and commits the first new token of each row.
 
-        Pad slots past a row's prompt are written to the cache but never attended: they lie after
-        the row's query positions and are overwritten as the row generates. Returns the state and
-        the features the proposer reads at every prompt position: the final hidden states
-        `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
+        The model builds the cache (`init_cache`) for forwards of up to `window` tokens (this
+        decoder's own window by default; `Slots` passes the widest of the options sharing it). Pad
+        slots past a row's prompt are never attended: they lie after the row's query positions and
+        are overwritten as the row generates (a sliding-window ring does not store them). Returns
+        the state and the features the proposer reads at every prompt position: the final hidden
+        states `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
         """
         with sharding.use(self.mesh):
-            return self._prefill_target(model, inputs)
+            return self._prefill_target(model, inputs, window or self.window)
 
-    def _prefill_target(self, model: Llama, inputs: Inputs) -> tuple[DecodeState, Array]:
+    def _prefill_target(self, model: Transformer, inputs: Inputs, window: int) -> tuple[DecodeState, Array]:
         b, p = inputs.prompts.shape
         if p + self.window > self.cache_length:
             raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
                              f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
-        cache = KVCache.zeros(model.config, b, self.cache_length)
+        cache = model.init_cache(b, self.cache_length, window=window)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps)
+        hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps,
+                                               kept=inputs.prompt_lengths)
         last = jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)
         logits = model.logits(last)[:, 0]
         tokens = jnp.zeros((b, self.cache_length), jnp.int32).at[:, :p].set(inputs.prompts)
@@ -363,7 +366,7 @@ class Decoder:
         with sharding.use(self.mesh):
             return self.proposer.init(pparams, state, inputs, hidden)
 
-    def prefill(self, model: Llama, pparams, inputs: Inputs) -> State:
+    def prefill(self, model: Transformer, pparams, inputs: Inputs) -> State:
         """Prefills the batch and sets up the proposer: the state `decode` continues from."""
         state, hidden = self.prefill_target(model, inputs)
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
@@ -376,12 +379,12 @@ class Decoder:
         return insert_row(state, row, slot)
 
     # ---- decode ----------------------------------------------------------------------------
-    def step(self, model: Llama, pparams, s: State) -> State:
+    def step(self, model: Transformer, pparams, s: State) -> State:
         """One target forward: a plain step, or propose -> verify -> accept -> commit."""
         with sharding.use(self.mesh):
             return self._step(model, pparams, s)
 
-    def _step(self, model: Llama, pparams, s: State) -> State:
+    def _step(self, model: Transformer, pparams, s: State) -> State:
         if self.proposer is None:
             return dataclasses.replace(s, decode=plain_step(model, self.sampling, s.decode))
         state, topo = s.decode, self.topology
@@ -397,7 +400,7 @@ class Decoder:
         pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
         return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes))
 
-    def decode(self, model: Llama, pparams, state: State, stop_at: Int[Array, ""] | None = None) -> State:
+    def decode(self, model: Transformer, pparams, state: State, stop_at: Int[Array, ""] | None = None) -> State:
         """Steps until every row is done or the batch's step counter reaches `stop_at`.
 
         `stop_at` is an array, so streaming in chunks (`forwards + chunk`) reuses the one compiled
@@ -410,7 +413,7 @@ class Decoder:
             return jax.lax.while_loop(cond, body, sharding.constrain_carry(state, self.mesh))
 
 
-def plain_step(model: Llama, sampling_config: Sampling, state: DecodeState) -> DecodeState:
+def plain_step(model: Transformer, sampling_config: Sampling, state: DecodeState) -> DecodeState:
     """The plain loop's step, the oracle of every speculative path: feed the pending token, sample
     the next one, commit it."""
     pos = state.lengths - 1
@@ -435,7 +438,7 @@ def decode_program(graphdef, params, pparams, state: State, stop_at, *, static: 
     return static.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
 
 
-def generate(model: Llama, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
+def generate(model: Transformer, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
     """Prefill and decode to the end with the jitted programs; returns the final state.
 
     Read the text back with `new_tokens(state, mesh)`. Calls with the same decoder and shapes reuse

@@ -41,7 +41,7 @@ from jaxtyping import Array, Bool, Int
 from specjax import sharding
 from specjax.core.decoder import decode_program
 from specjax.core.decoder import Decoder, Inputs, State, Stats
-from specjax.models.llama import Llama
+from specjax.models.transformer import Transformer
 from specjax.core.state import AnyArray, DecodeState, insert_row, rows_map
 from specjax.telemetry import SpecCounters
 
@@ -81,14 +81,19 @@ class Slots:
             raise ValueError("every option's decoder must run on the base's mesh (Decoder.mesh)")
 
     @property
+    def window(self) -> int:
+        """The widest verify window of the options: every one writes into the shared cache."""
+        return max(d.window for d in (self.base, *self.decoders))
+
+    @property
     def mesh(self):
         """The mesh every option's decoder runs on (None: one device)."""
         return self.base.mesh
 
-    def prefill(self, model: Llama, pparams: tuple, inputs: Inputs) -> tuple[DecodeState, tuple]:
+    def prefill(self, model: Transformer, pparams: tuple, inputs: Inputs) -> tuple[DecodeState, tuple]:
         """Prefills the rows once for every option: the shared decode state, and each option's
         proposer state from the same target pass."""
-        state, hidden = self.base.prefill_target(model, inputs)
+        state, hidden = self.base.prefill_target(model, inputs, window=self.window)
         pstates = tuple(d.init_proposer(pp, state, inputs, hidden) for d, pp in zip(self.decoders, pparams))
         return self._pinned((state, pstates))
 
@@ -96,7 +101,7 @@ class Slots:
         """`tree` in the loop carry's layout on this mesh."""
         return sharding.constrain_carry(tree, self.mesh)
 
-    def insert(self, model: Llama, pparams: tuple, state: DecodeState, pstates: tuple,
+    def insert(self, model: Transformer, pparams: tuple, state: DecodeState, pstates: tuple,
                slot: Int[Array, ""], inputs: Inputs) -> tuple[DecodeState, tuple]:
         """Prefills one request (a batch of one at the batch's cache length) into row `slot`; the
         other rows, the batch's step counter and the shared n-gram table do not change."""
@@ -259,6 +264,11 @@ class RunningBatch:
                 self._loops[o, size] = self._compile(decode_program, self.pp(o), s, stop_at,
                                                      static=self.decoder(o))
                 self._views[o, size] = self._compile(view_program, self.state, s.stats, weights=False, slots=slots)
+
+    @property
+    def window(self) -> int:
+        """The widest verify window of the options: every one writes into the shared cache."""
+        return max(d.window for d in (self.base, *self.decoders))
 
     @property
     def mesh(self):

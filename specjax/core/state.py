@@ -143,7 +143,7 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], ac
     """Commits a verified window: the accepted path's tokens and K/V, then the next token.
 
     `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted
-    path's K/V move to consecutive slots (`tree.compact`); a chain's path already is consecutive.
+    path's K/V move to consecutive slots (`KVCache.compact`); a chain's path already is consecutive.
     Nothing is rolled back: slots past the new length are never attended and get overwritten.
     """
     b = nodes.shape[0]
@@ -152,7 +152,7 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], ac
     new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
     new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
     if not topo.is_chain:
-        cache = tree.compact(cache, state.lengths - 1, accepted.path)
+        cache = cache.compact(state.lengths - 1, accepted.path)
     state = tick(state.replace(cache=cache))
     return commit(state, new, accepted.n + 1, window=topo.width)[0]
 

@@ -25,7 +25,6 @@ from jaxtyping import Array, Int
 
 from flax import struct
 
-from specjax.models.kv_cache import KVCache
 
 MAX_TREE_NODES = 64
 
@@ -204,18 +203,3 @@ def topology(tree: Tree) -> Topology:
 def chain_topology(k: int) -> Topology:
     return topology(chain(k))
 
-
-def compact(cache: KVCache, start: Int[Array, "B"], path: Int[Array, "B R"]) -> KVCache:
-    """Moves the K/V at window slots `path[:, d]` to cache slot `start + d`, in every layer.
-
-    Gathers P slots and writes P slots per row and layer; nothing cache-sized is copied.
-    Slots past the accepted depth receive junk that is never attended (beyond the length).
-    """
-    src = start[:, None] + path  # absolute source slots [B, R]
-    upd = lambda b, m, s: jax.lax.dynamic_update_slice(b, m, (s, 0, 0))
-
-    def move(buf):
-        moved = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)  # [B, R, Kv, H]
-        return jax.vmap(upd)(buf, moved, start)
-
-    return KVCache(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

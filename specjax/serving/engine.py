@@ -282,9 +282,9 @@ class Engine:
             if tokenizer.encode(probe, add_bos=False) != self.tokenizer.encode(probe, add_bos=False):
                 raise ValueError("draft model tokenizer encodes text differently from the target's; "
                                  "a draft must share the target's tokenizer")
-        if dc.num_params > self.config.num_params:
-            warnings.warn(f"draft model ({dc.num_params / 1e6:.0f}M params) is larger than its target "
-                          f"({self.config.num_params / 1e6:.0f}M): speculation will be slower than plain")
+        if draft.num_params > self.model.num_params:
+            warnings.warn(f"draft model ({draft.num_params / 1e6:.0f}M params) is larger than its target "
+                          f"({self.model.num_params / 1e6:.0f}M): speculation will be slower than plain")
         self.assets.draft = sharding.place_module(draft, self.mesh)
 
     def resolve(self, spec: SpecConfig) -> SpecConfig:
@@ -328,6 +328,9 @@ class Engine:
     # ---- input handling ------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
         """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
+        if chat and self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat=True (--chat) needs the model's chat template, and this model has none (a base "
+                             "model completes text): give the prompt as plain text, without --chat")
         out = []
         for i, p in enumerate(_prompt_list(prompts)):
             if isinstance(p, str):

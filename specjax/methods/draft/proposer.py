@@ -51,9 +51,10 @@ class DraftModelProposer(Chain):
         model = nnx.merge(self.graphdef, params)
         prompts = inputs.prompts
         b, p = prompts.shape
-        cache = KVCache.zeros(model.config, b, state.capacity)
+        # its writes reach k positions past what is committed (2 re-fed tokens, then its drafts one at a time)
+        cache = model.init_cache(b, state.capacity, window=self.k + 1)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, cache = model.hidden_states(prompts, positions, cache)
+        _, cache = model.hidden_states(prompts, positions, cache, kept=inputs.prompt_lengths)
         return cache
 
     def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int | jax.Array):

@@ -37,7 +37,7 @@ from specjax.core import sampling
 from specjax.core import tree
 from specjax.models import eagle as eagle_model
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.kv_cache import KVCache, attention_mask
+from specjax.models.kv_cache import KVCache
 from specjax.core.state import DecodeState
 
 TIE_BREAK = 1e-6  # subtracted per level from path log-probabilities: a child never ties its parent
@@ -149,8 +149,7 @@ class EagleProposer:
         cache = head.cache(b, state.capacity + self.scratch)
         zero = jnp.zeros((b,), jnp.int32)
         out, cache = head(head.lift(hidden), jnp.take(params.embed, nxt, axis=0, mode="clip"),
-                          jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)), zero,
-                          attention_mask(zero, p, cache.length), cache)
+                          jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)), zero, cache)
         feature = jnp.take_along_axis(out, (inputs.prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
         return EagleState(cache=cache, feature=feature)
 
@@ -165,7 +164,7 @@ class EagleProposer:
         toks = jnp.take_along_axis(state.tokens, cols, axis=1)
         positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
         out, cache = head(head.lift(feats), jnp.take(params.embed, toks, axis=0, mode="clip"), positions, start,
-                          attention_mask(start, width, pstate.cache.length), pstate.cache)
+                          pstate.cache)
         feature = jnp.take_along_axis(out, accepted.n[:, None, None], axis=1)[:, 0]
         return EagleState(cache=cache, feature=feature)
 
@@ -196,8 +195,7 @@ class EagleProposer:
             if i + 1 < self.k:  # the entry of the token just drafted, at position lengths - 1 + i
                 pos = state.lengths - 1 + i
                 out, cache = head(feat[:, None], jnp.take(params.embed, tok, axis=0, mode="clip")[:, None],
-                                  pos[:, None], pos,
-                                  attention_mask(pos, 1, cache.length), cache)
+                                  pos[:, None], pos, cache)
                 feat = out[:, 0]
         draft = jnp.stack(tokens, axis=1)
         # the entries written here lie past the committed length: `reconcile` overwrites them
@@ -222,11 +220,11 @@ class EagleProposer:
             slot0 = (level - 1) * k
             own = jnp.zeros((k, m), bool).at[jnp.arange(k), slot0 + jnp.arange(k)].set(True)
             anc = front_anc | own[None]
-            mask = jnp.concatenate([jnp.broadcast_to(context, (b, k, s)), anc], axis=-1)
+            seen = jnp.concatenate([jnp.broadcast_to(context, (b, k, s)), front_anc], axis=-1)  # written before
             pos = jnp.broadcast_to((state.lengths - 2 + level)[:, None], (b, k))
             out, cache = head(front_feat, jnp.take(params.embed, jnp.take(params.ids, front_tok), axis=0, mode="clip"),
-                              pos,
-                              jnp.full((b,), s + slot0, jnp.int32), mask, cache)
+                              pos, jnp.full((b,), s + slot0, jnp.int32), cache, context=seen,
+                              window_mask=jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)))  # each sees itself
             lp = jax.nn.log_softmax(head.logits(out, params.lm_rows), axis=-1)  # [B, k, Vd]
             cs, ct = sharding.top_k(lp, k)
             child_score = (front_score[:, :, None] + cs - TIE_BREAK).reshape(b, k * k)

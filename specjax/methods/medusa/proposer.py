@@ -25,7 +25,7 @@ from specjax.core import tree as tree_lib
 from specjax.core.tree import HEADS_TREE, Tree, chain
 from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import MedusaHeads
-from specjax.models.llama import Llama
+from specjax.models.transformer import Transformer
 from specjax.core.state import DecodeState, last_tokens
 
 
@@ -88,7 +88,7 @@ class MedusaProposer:
     tree: Tree | None = None
 
     @classmethod
-    def from_heads(cls, heads: MedusaHeads, target: Llama, *, k: int | None = None, tree: Tree | None = None,
+    def from_heads(cls, heads: MedusaHeads, target: Transformer, *, k: int | None = None, tree: Tree | None = None,
                    vocab_subset: Sequence[int] | None = None) -> tuple["MedusaProposer", MedusaParams]:
         """(proposer, params) for `heads` on `target`: a chain of `k` heads, or `tree`.
 
@@ -112,8 +112,8 @@ class MedusaProposer:
             limit = tc.vocab_size if ids is None else len(ids)
             if ranks > limit:
                 raise ValueError(f"tree uses rank {ranks - 1}, beyond the {limit} tokens the heads can propose")
-        tied = tc.tie_embeddings or tc.weight_layout == "nk"  # the LM head stored as [V, D] rows
-        weight = target.embed[...] if tc.tie_embeddings else target.lm_head[...]
+        weight, layout = target.lm_head_weight()
+        tied = layout == "nk"  # the LM head stored as [V, D] rows
         if ids is not None:
             weight = weight[ids] if tied else weight[:, ids]
         graphdef, params = nnx.split(heads)

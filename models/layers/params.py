@@ -1,0 +1,26 @@
+"""Random parameters with their logical axes, and projection weights in the config's layout."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from specjax.models import linear
+from specjax.models.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...] | None = None, **meta) -> nnx.Param:
+    """A random parameter with its logical axes (`specjax.sharding.RULES` maps them to the mesh; a
+    parameter without them cannot be placed on a mesh)."""
+    if axes is not None:
+        meta["axes"] = axes
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, **meta)
+
+
+def dense(rngs: nnx.Rngs, k: int, n: int, config: ModelConfig, scale: float, axes: tuple[str, str],
+          **meta) -> nnx.Param:
+    """A random `K -> N` projection weight stored in `config.weight_layout` (`specjax.models.linear`):
+    drawn as [K, N] either way, so both layouts of one seed hold the same model. `axes`: (K's, N's)."""
+    w = jax.random.normal(rngs.params(), (k, n), config.weight_dtype) * scale
+    layout = config.weight_layout
+    return nnx.Param(linear.to_layout(w, layout), axes=linear.axes(*axes, layout), dense_layout=layout, **meta)
