@@ -483,7 +483,7 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         served, reference, client, monkeypatch):
     eng, server, url = served
     sched = server.sched
-    openai = need_module("openai")
+    need_module("openai")
     insert = sched.batch.insert
     bad = eng.tokenizer.encode("QQQ")
 

@@ -40,7 +40,7 @@ class Keys(NamedTuple):
 
 def attend(q: Float[Array, "B T Kv G H"], keys: Sequence[Keys], scale: float) -> Float[Array, "B T Kv G H"]:
     """Softmax attention of `q` over every block of `keys` at once (one softmax, in float32)."""
-    scores, masks = [], []
+    scores = []
     for k in keys:
         if k.aligned:
             s = jnp.einsum("BTCGH,BTCH->BTCG", q, k.k.astype(q.dtype))[..., None]
