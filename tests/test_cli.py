@@ -18,7 +18,7 @@ from specjax.serving.engine import Engine
     (["--method", "auto"], SpecConfig()),  # auto's options come from the controller, not one spec
     (["--method", "ngram"], SpecConfig(method="ngram", k=4)),
     (["--method", "ngram", "--k", "6", "--ngram-min", "2", "--ngram-max", "4"],
-     SpecConfig(method="ngram", k=6, ngram_min=2, ngram_max=4)),
+     SpecConfig.make("ngram", k=6, ngram_min=2, ngram_max=4)),
     (["--method", "draft", "--k", "2", "--draft-model", "x"], SpecConfig(method="draft", k=2)),
     (["--method", "medusa", "--k", "3"], SpecConfig(method="medusa", k=3)),
     (["--method", "medusa", "--tree", "small"], SpecConfig(method="medusa", tree="small")),

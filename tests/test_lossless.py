@@ -102,7 +102,7 @@ def chi_square_p(codes, probs):
 
 def generate(eng, method, opts, seed, **spec):
     batch = eng.start([PROMPT] * N, GenerateOptions(max_new_tokens=NEW, seed=seed, **opts),
-                      spec=SpecConfig(method=method, k=K, **spec))
+                      spec=SpecConfig.make(method, k=K, **spec))
     batch.run()
     toks = np.array(batch.new_tokens())
     assert toks.shape == (N, NEW)

@@ -77,8 +77,8 @@ def _add_spec_args(p: argparse.ArgumentParser, *, many: bool = False, default: s
     p.add_argument("--k", type=int, default=None,
                    help="drafted tokens per step (default 4; eagle: the head's tuned chain, or tree depth)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=None, help="ngram: shortest n-gram tried (default 1)")
+    p.add_argument("--ngram-max", type=int, default=None, help="ngram: longest n-gram tried (default 3)")
     p.add_argument("--heads", default=None,
                    help="Medusa heads directory for --method medusa (default: the heads shipped "
                         "for the model)")
@@ -104,8 +104,26 @@ def _spec(args):
     if registry.record(args.method).tuned is not None:
         return None  # from the loaded assets' tuning (`tuned_spec`)
     tree = parse_tree(getattr(args, "tree", None))
-    return SpecConfig(method=args.method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max, tree=tree)
+    return SpecConfig.make(args.method, k=4 if args.k is None else args.k, tree=tree,
+                           **_method_options(args, args.method, strict=True))
+
+
+def _method_options(args, method: str, *, strict: bool = False) -> dict:
+    """The flags of `method`'s own options (`Record.option_type`'s fields, `--ngram-min` for
+    `ngram_min`) that were given; with `strict`, a given flag of another method's option is refused."""
+    import dataclasses as dc
+
+    given = {}
+    for rec in RECORDS.values():
+        for f in dc.fields(rec.option_type) if rec.option_type is not None else ():
+            v = getattr(args, f.name, None)
+            if v is None:
+                continue
+            if rec.name == method:
+                given[f.name] = v
+            elif strict:
+                raise ValueError(f"--{f.name.replace('_', '-')} applies to --method {rec.name} only")
+    return given
 
 
 def tuned_spec(engine, method: str, args, *, tree: bool | None = None):
@@ -359,9 +377,8 @@ def _bench_spec(label: str, args, engine=None):
     rec = registry.RECORDS.get(method)  # None: the plain loop
     if rec is not None and rec.tuned is not None:
         return None if engine is None else tuned_spec(engine, method, args, tree=label != method)
-    return SpecConfig(method=method, k=4 if args.k is None else args.k, ngram_min=args.ngram_min,
-                      ngram_max=args.ngram_max,
-                      tree=parse_tree(args.tree) if rec is not None and "tree" in rec.options else None)
+    return SpecConfig.make(method, k=4 if args.k is None else args.k, **_method_options(args, method),
+                           tree=parse_tree(args.tree) if rec is not None and "tree" in rec.options else None)
 
 
 def cmd_bench(args) -> int:
@@ -454,8 +471,8 @@ def cmd_loadbench(args) -> int:
     used = [m for m in plan.methods if m not in ("none", "auto")]
     _check_given(args, used, how=INCLUDES_NEEDS_FLAG)
     k, tree = 4 if args.k is None else args.k, parse_tree(args.tree)
-    specs = {m: SpecConfig(method=m, k=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                           tree=tree if "tree" in registry.record(m).options else None)
+    specs = {m: SpecConfig.make(m, k=k, **_method_options(args, m),
+                                tree=tree if "tree" in registry.record(m).options else None)
              for m in used if registry.record(m).tuned is None}
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=mesh_arg(args))

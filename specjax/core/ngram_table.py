@@ -31,6 +31,7 @@ lossless with the one-hot rule, whatever the table holds (collisions and evictio
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +39,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
+from specjax.core.shared import Observed
 
 _MULT = np.uint32(0x9E3779B1)  # Knuth's multiplicative constant (golden ratio * 2^32)
 _SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over the slots
@@ -45,8 +47,11 @@ _SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableConfig:
-    """Static shape of the table: slots, followers kept per n-gram, n-gram lengths."""
+    """Static shape of the table: slots, followers kept per n-gram, n-gram lengths. A
+    `specjax.core.shared.SharedSpec`: the batch's part named "ngram", written after every commit."""
 
+    name: ClassVar[str] = "ngram"
+    top_k: ClassVar[int] = 0  # it reads committed text only
     size: int = 1 << 16
     width: int = 8
     min_n: int = 2
@@ -63,6 +68,19 @@ class TableConfig:
     @property
     def nbytes(self) -> int:
         return self.size * (self.max_n + self.width + 1) * 4
+
+    def init(self) -> "NgramTable":
+        return NgramTable.empty(self)
+
+    def update(self, table: "NgramTable", seen: Observed) -> "NgramTable":
+        """Writes the n-grams whose followers this commit completed (see `add`)."""
+        take = seen.after.lengths - seen.before.lengths
+        return add(table, seen.after.tokens, seen.before.lengths, take, seen.width, seen.contribute, seen.tenant)
+
+    def merge(self, other: "TableConfig") -> "TableConfig":
+        """One table for both: the larger size and width, the wider range of n."""
+        return TableConfig(size=max(self.size, other.size), width=max(self.width, other.width),
+                           min_n=min(self.min_n, other.min_n), max_n=max(self.max_n, other.max_n))
 
 
 @struct.dataclass

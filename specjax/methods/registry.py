@@ -1,8 +1,10 @@
 """One record per method: everything a host needs to know about it, looked up by name.
 
 A `Record` builds the proposer and its params from a `SpecConfig` and the `Assets` the host holds
-(the target, a draft model, trained heads), says which `SpecConfig` options apply to it and checks
-them, and gives the settings tuned for its loaded assets (`tuned`). Hosts (the Engine, the
+(the target, a draft model, trained heads, a method's own loaded asset), owns the method's options
+(a frozen dataclass, `SpecConfig.options`) and checks them, loads its assets, and gives the settings
+tuned for them (`tuned`). Batch-shared state (the cross-request n-gram table, token recycling's
+matrix) is declared by the proposer it builds (`Proposer.shared`). Hosts (the Engine, the
 scheduler, the CLI) look records up by name and never test for a method themselves, so adding a
 method is its own module plus one record in `RECORDS` (or `register` for one defined elsewhere).
 
@@ -20,18 +22,24 @@ from specjax.models import eagle_io, heads_io
 from specjax.methods.draft.proposer import DraftModelProposer
 from specjax.methods.eagle.proposer import EagleProposer
 from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer
+from specjax.methods.ngram import proposer as ngram_proposer
+from specjax.methods.ngram.options import NgramOptions
 from specjax.methods.ngram.proposer import NgramProposer
 from specjax.core.tree import HEADS_TREE
 
 
 @dataclasses.dataclass
 class Assets:
-    """What proposers may be built from: the target and the optional draft model and heads."""
+    """What proposers may be built from: the target (and its catalog name), the optional draft
+    model and heads, and each method's own loaded asset (`methods[name]`, set by its record's
+    `load`, e.g. through `Engine.set_asset`)."""
 
     target: Any
     draft: Any = None
     heads: LoadedHeads | None = None
     eagle: "LoadedEagle | None" = None
+    name: str | None = None
+    methods: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +65,11 @@ class Record:
       build: `(spec, assets) -> (proposer, params)`; raises one clear ValueError when an asset it
         needs is missing or does not fit the target.
       options: the `SpecConfig` fields beyond `k` that apply to this method only (`tree`, `nodes`,
-        `draft_vocab`, `ngram_table`): any other method must leave them at their defaults.
-      check: `(spec) -> None`, the method's own checks on its options (raises ValueError).
+        `draft_vocab`): any other method must leave them at their defaults.
+      option_type: the method's own options, a frozen keyword-only dataclass that checks its values
+        (`SpecConfig.options` holds one; `SpecConfig.make` fills it from keywords); None: none.
+      check: `(spec) -> None`, the method's own checks of its options against the spec (raises
+        ValueError).
       tuned: `(assets, tree) -> dict`, the `SpecConfig` fields tuned for the loaded assets (its
         chain, or with `tree` its tree); None when the method has no tuning.
       auto: `(assets, ks, given) -> [fields]`, what the auto controller may run with the loaded
@@ -71,11 +82,18 @@ class Record:
         the flag must be given).
       load: `(engine, path) -> None`, loads the asset at `path` ("default": the shipped one) into
         an `Engine`; None: `Engine.load` takes it (a draft model, loaded in the target's dtype).
+      serving: `(spec, table) -> spec`, the spec as a long-running host (the scheduler) runs it: a
+        method with cross-request state turns it on (`table`: the host's n-gram table slots, None
+        for the method's default, 0 for none); None: as given.
+      replay: `(spec, tokens) -> lookup`, the method replayed on the host over a row's tokens
+        (`specjax.methods.ngram.proposer.HostLookup`, advanced by `ngram.proposer.replay`): the auto
+        scheduler learns what it would have kept while other options run; None: no replay.
     """
 
     name: str
     build: Callable[[Any, Assets], tuple[Any, Any]]
     options: tuple[str, ...] = ()
+    option_type: type | None = None
     check: Callable[[Any], None] = _no_checks
     tuned: Callable[[Assets, bool], dict] | None = None
     auto: Callable[[Assets, tuple[int, ...], Any], list[dict]] | None = None
@@ -83,12 +101,8 @@ class Record:
     flag_value: str = "DIR"
     shipped: Callable[[str], Any] | None = None
     load: Callable[[Any, str], None] | None = None
-
-
-def _check_ngram(spec) -> None:
-    if not 1 <= spec.ngram_min <= spec.ngram_max:
-        raise ValueError(f"ngram_min={spec.ngram_min}, ngram_max={spec.ngram_max}: need "
-                         "1 <= ngram_min <= ngram_max")
+    serving: Callable[[Any, int | None], Any] | None = None
+    replay: Callable[[Any, Any], Any] | None = None
 
 
 def _eagle_tuned(assets: Assets, tree: bool) -> dict:
@@ -135,7 +149,8 @@ def _heads_tree(assets: Assets):
 
 NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names
 RECORDS: dict[str, Record] = {r.name: r for r in (
-    Record(NGRAM, NgramProposer.from_spec, options=("ngram_table",), check=_check_ngram),
+    Record(NGRAM, NgramProposer.from_spec, option_type=NgramOptions, serving=ngram_proposer.serving,
+           replay=ngram_proposer.host_replay),
     Record(DRAFT, DraftModelProposer.from_spec, flag="--draft-model",
            flag_value="NAME (a model with the target's vocabulary)"),
     Record(MEDUSA, MedusaProposer.from_spec, options=("tree",), auto=_medusa_auto, flag="--heads",
@@ -158,6 +173,22 @@ def record(method: str) -> Record:
     return RECORDS[method]
 
 
+def options_of(spec) -> Any:
+    """The method's own options for `spec`: `spec.options`, or its defaults when None (None for a
+    method without options); ValueError when they are another method's."""
+    rec = None if spec.method == "none" else record(spec.method)
+    kind = None if rec is None else rec.option_type
+    if kind is None:
+        if spec.options is not None:
+            raise ValueError(f"options={spec.options!r}: method {spec.method!r} takes no options of its own")
+        return None
+    if spec.options is None:
+        return kind()
+    if type(spec.options) is not kind:
+        raise ValueError(f"options={spec.options!r}: method {spec.method!r} takes {kind.__name__}")
+    return spec.options
+
+
 def check(spec) -> None:
     """A spec's method exists and its method-specific options belong to it and hold."""
     if spec.method != "none":
@@ -171,16 +202,33 @@ def check(spec) -> None:
         RECORDS[spec.method].check(spec)
 
 
+def option_owners(name: str) -> list[str]:
+    """The methods whose own options have a field `name`."""
+    return [r.name for r in RECORDS.values()
+            if r.option_type is not None and name in {f.name for f in dataclasses.fields(r.option_type)}]
+
+
 def base(label: str) -> str:
     """The method behind a bench label or an option's kind (eagle-tree: eagle's tuned tree)."""
     return label.removesuffix("-tree") if label.endswith("-tree") and label[:-5] in RECORDS else label
 
 
 def looks_up(method: str) -> bool:
-    """The method drafts by looking its context up (prompt lookup): it reads the cross-request n-gram
-    table (`ngram_table=`), and the auto scheduler replays it on the host over the text other
-    options commit (`specjax.methods.ngram.proposer.replay`)."""
-    return method in RECORDS and "ngram_table" in RECORDS[method].options
+    """The method can be replayed on the host over text other options commit (`Record.replay`,
+    prompt lookup's): auto's default options, learned for free while others run."""
+    return method in RECORDS and RECORDS[method].replay is not None
+
+
+def serving(spec, table: int | None = None):
+    """`spec` as a long-running host runs it (`Record.serving`; as given for plain and methods
+    without one)."""
+    rec = RECORDS.get(spec.method)
+    return spec if rec is None or rec.serving is None else rec.serving(spec, table)
+
+
+def host_replay(spec, tokens):
+    """The method of `spec` replayed on the host from a row's `tokens` (`Record.replay`)."""
+    return record(spec.method).replay(spec, tokens)
 
 
 def auto_options(assets: Assets, ks: tuple[int, ...], given: dict | None = None) -> list[dict]:
