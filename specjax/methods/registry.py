@@ -23,6 +23,8 @@ from specjax.methods.draft.proposer import DraftModelProposer
 from specjax.methods.eagle.proposer import EagleProposer
 from specjax.methods.medusa.proposer import LoadedHeads, MedusaProposer
 from specjax.methods.ngram import proposer as ngram_proposer
+from specjax.methods.recycle import record as recycle
+from specjax.methods.recycle.options import RecycleOptions
 from specjax.methods.ngram.options import NgramOptions
 from specjax.methods.ngram.proposer import NgramProposer
 from specjax.core.tree import HEADS_TREE
@@ -39,6 +41,7 @@ class Assets:
     heads: LoadedHeads | None = None
     eagle: "LoadedEagle | None" = None
     name: str | None = None
+    weights_id: str | None = None
     methods: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -147,7 +150,7 @@ def _heads_tree(assets: Assets):
     return assets.heads.tree
 
 
-NGRAM, DRAFT, MEDUSA, EAGLE = "ngram", "draft", "medusa", "eagle"  # the shipped methods' names
+NGRAM, DRAFT, MEDUSA, EAGLE, RECYCLE = "ngram", "draft", "medusa", "eagle", recycle.METHOD  # the shipped methods
 RECORDS: dict[str, Record] = {r.name: r for r in (
     Record(NGRAM, NgramProposer.from_spec, option_type=NgramOptions, serving=ngram_proposer.serving,
            replay=ngram_proposer.host_replay),
@@ -158,6 +161,9 @@ RECORDS: dict[str, Record] = {r.name: r for r in (
     Record(EAGLE, EagleProposer.from_spec, options=("nodes", "draft_vocab"), tuned=_eagle_tuned,
            auto=_eagle_auto, flag="--eagle", shipped=eagle_io.shipped_eagle_dir,
            load=lambda engine, path: engine.load_eagle(path)),
+    Record(RECYCLE, recycle.build, options=("tree",), option_type=RecycleOptions, check=recycle.check,
+           tuned=recycle.tuned, auto=recycle.auto, serving=recycle.serving, load=recycle.load_into,
+           shipped=recycle.shipped_dir),
 )}
 
 

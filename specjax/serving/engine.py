@@ -159,7 +159,7 @@ class Engine:
         self.buckets = tuple(b for b in sorted(buckets) if b <= self.config.max_seq_len) or (
             self.config.max_seq_len,)
         self.graphdef, self.params = nnx.split(model)
-        self.assets = registry.Assets(target=model, name=name)
+        self.assets = registry.Assets(target=model, name=name, weights_id=weights_id)
         self._compiled: dict[tuple, object] = {}
         self.compile_count = 0
         self.weights_id = weights_id
