@@ -24,7 +24,7 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from specjax.core import ngram_table, tree
 from specjax.core.ngram_table import TableConfig
@@ -64,7 +64,7 @@ class Levels:
         return cls(*(tuple(x) for x in out), spine=spine)
 
 
-def spine_merge(cand: Int[Array, "B N K"], spine_tok: Int[Array, "B"], use: Int[Array, "B N"],
+def spine_merge(cand: Int[Array, "B N K"], spine_tok: Int[Array, "B"], use: Bool[Array, "B N"],
                 ranks: np.ndarray) -> Int[Array, "B N"]:
     """The rank-`ranks[i]` child of node i: its candidates, or where `use` holds, the spine token
     first and the candidates after it with that token taken out (distinct either way)."""
