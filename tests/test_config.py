@@ -15,7 +15,7 @@ from specjax.methods.ngram.options import NgramOptions
     (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
     (dict(method="ngram", ngram_min=0), "ngram_min"),
     (dict(method="hydra"), "unknown method"),
-    (dict(method="ngram", tree="small"), "'medusa' only"),
+    (dict(method="ngram", tree="small"), "'medusa' or 'recycle' only"),
     (dict(method="medusa", tree="huge"), "unknown tree"),
     (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
     (dict(method="medusa", tree=((0,), (0,))), "twice"),

@@ -8,9 +8,10 @@ result is saved beside the heads (`specjax.methods.recycle.assets`), where `--me
 
 `tune`: measures, on this machine, how often each node of a wide template is accepted and what a
 verify step of each window costs (the decode loop itself, drafting and the matrix's update
-included), and picks the chain and the tree (4-64 nodes; the default tree at most `DEFAULT_NODES`)
-with the best expected tokens per second (`tree_search.choose_subtree`). It writes `tuning.json`
-beside the warm start; `Engine.tuned("recycle")` and `--method recycle` read it.
+included), and picks the chain, the tree (4-64 nodes) and the default (the faster of chain and
+tree of at most `DEFAULT_NODES` nodes) with the best expected tokens per second
+(`tree_search.choose_subtree`). It writes `tuning.json` beside the warm start;
+`Engine.tuned("recycle")` (the default; `tree=True`: the tree) and `--method recycle` read it.
 
     python -m specjax.train_heads.recycle warm --prompts-file P.jsonl --out DIR
     python -m specjax.train_heads.recycle tune DIR --prompts-file P.jsonl
@@ -96,33 +97,142 @@ def warm(model: str, prompts: list[str], out, *, k: int = 8, order: int = 2, tab
     return assets.read(out)[0]
 
 
-def _main(argv=None) -> int:
+def measurement_tree(nodes: int = MEASURE_TREE_NODES, depth: int = 8, ranks: int = 8) -> tuple:
+    """The wide template whose nodes' acceptance `tune` measures: the best tree of `nodes` under a
+    prior that halves with each rank and thins with depth (every smaller tree `tune` picks is a
+    subtree of it)."""
+    from specjax.methods import tree_search
+
+    acc = np.array([[0.7 * 0.55 ** r for r in range(ranks)] for _ in range(depth)])
+    return tree_search.best_tree(acc, nodes)
+
+
+def node_rates(engine, prompts: list[str], template, *, max_new_tokens: int, log=print) -> np.ndarray:
+    """How often each node of `template` was kept per step, greedy, over `prompts` (chat)."""
+    from specjax.methods.config import SpecConfig
+
+    spec = SpecConfig.make("recycle", tree=template)
+    kept, steps = np.zeros(len(template)), 0
+    for i, p in enumerate(prompts):
+        r = engine.generate([p], chat=True, max_new_tokens=max_new_tokens, spec=spec)[0]
+        kept += np.asarray(r.counters.accepted_per_node)
+        steps += r.counters.num_drafts
+        log(f"  prompt {i + 1}/{len(prompts)}: tau {r.tau:.2f}")
+    return kept / max(steps, 1)
+
+
+def step_costs(engine, templates: dict[int, tuple], *, steps: int = 48, repeats: int = 3) -> dict[int, float]:
+    """Seconds per decode step of recycling with each template (window = nodes + 1; drafting and the
+    matrix's update included), relative to a plain step, on this machine: the median of `repeats`
+    runs, taken in turns so that drift spreads over all of them."""
+    from specjax.bench.offline import SYNTHETIC_PROMPT
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import GenerateOptions
+
+    specs = {1: SpecConfig(), **{len(t) + 1: SpecConfig.make("recycle", tree=t, recycle_warm="cold")
+                                 for t in templates.values()}}
+    opts = GenerateOptions(max_new_tokens=steps, stop_ids=())
+    times: dict[int, list[float]] = {w: [] for w in specs}
+    for rep in range(repeats + 1):
+        for w, spec in specs.items():
+            batch = engine.start([SYNTHETIC_PROMPT], opts, chat=True, spec=spec)
+            res = batch.run()[0]
+            if rep:  # the first turn compiles and warms up
+                times[w].append(batch.decode_s / res.target_forwards)
+    plain = statistics.median(times[1])
+    return {w: statistics.median(t) / plain for w, t in sorted(times.items())}
+
+
+def tune(directory, model: str, prompts: list[str], *, max_new_tokens: int = 128, max_nodes: int = 64,
+         default_nodes: int = DEFAULT_NODES, log=print) -> dict:
+    """Measures per-node acceptance and window costs here; writes the chosen chain and tree (the
+    default tree at most `default_nodes` nodes; the best of every size in `sizes` beside it) to
+    `tuning.json` beside the warm start at `directory`."""
+    import platform
+
+    from specjax.methods import tree_search
+    from specjax.methods.recycle import assets
+    from specjax.serving.engine import Engine
+
+    engine = Engine.load(model)
+    engine.load_asset("recycle", str(directory))
+    wide = measurement_tree(max_nodes)
+    log(f"per-node acceptance of a {len(wide)}-node template on {len(prompts)} prompts ...")
+    rate = node_rates(engine, prompts, wide, max_new_tokens=max_new_tokens, log=log)
+    spine = [i for i, p in enumerate(wide) if all(r == 0 for r in p)]
+    sizes = [n for n in (4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= len(wide)]
+    templates = {n: tree_search.subtree(wide, rate, n) for n in sizes}
+    chains = {d: tuple((0,) * i for i in range(1, d + 1)) for d in (2, 3, 4, 6, 8) if d <= len(spine)}
+    log("window costs (plain step = 1) ...")
+    tree_cost = step_costs(engine, templates)
+    chain_cost = step_costs(engine, {d: chains[d] for d in chains})
+    log(f"  trees: {tree_cost}\n  chains: {chain_cost}")
+    small, small_speed, _ = tree_search.choose_subtree(wide, rate, tree_cost, [n for n in sizes if n <= default_nodes])
+    tree, speed, everything = tree_search.choose_subtree(wide, rate, tree_cost, sizes)
+    chain_rates = [rate[i] for i in spine]
+    chain_tau = {d: 1.0 + sum(chain_rates[:d]) for d in chains}
+    grid, vals = np.array(sorted(chain_cost)), np.array([chain_cost[w] for w in sorted(chain_cost)])
+    chain_speed = {d: chain_tau[d] / float(np.interp(d + 1, grid, vals)) for d in chains}
+    k = max(chain_speed, key=chain_speed.get)
+    chain = dict(k=k, tau=round(chain_tau[k], 4), expected_speedup=round(chain_speed[k], 4))
+    as_tree = lambda t, v: dict(tree=[list(p) for p in t], nodes=len(t), tau=everything[len(t)]["tau"],
+                                expected_speedup=round(v, 4))
+    tuning = dict(
+        default=chain if chain_speed[k] > small_speed and k <= default_nodes else as_tree(small, small_speed),
+        chain=chain, tree=as_tree(tree, speed),
+        sizes={str(n): dict(v, tree=[list(p) for p in templates[n]]) for n, v in everything.items()},
+        chains={str(d): dict(tau=round(chain_tau[d], 4), expected_speedup=round(chain_speed[d], 4)) for d in chains},
+        costs=dict(tree={str(w): round(c, 4) for w, c in tree_cost.items()},
+                   chain={str(w): round(c, 4) for w, c in chain_cost.items()}),
+        acceptance=[dict(path=list(p), kept=round(float(r), 4)) for p, r in zip(wide, rate)],
+        measured=dict(prompts=len(prompts), max_new_tokens=max_new_tokens, machine=platform.machine(),
+                      cpus=__import__("os").cpu_count(), backend=jax.default_backend()))
+    (pathlib.Path(directory) / assets.TUNING).write_text(json.dumps(tuning, indent=1) + "\n")
+    return tuning
+
+
+def _select(files: list[str], skip: int, take: int | None) -> tuple[list[str], str]:
+    """Prompts of each task class from the `skip`-th on (`take` of them, or all), in file order."""
     from specjax.bench.prompts import read_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m specjax.train_heads.recycle")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    w = sub.add_parser("warm", help="warm a matrix from the target's own answers")
-    w.add_argument("--model", default="smollm2-135m")
-    w.add_argument("--prompts-file", action="append", required=True, help="JSON lines (repeatable)")
-    w.add_argument("--skip-per-task", type=int, default=0,
-                   help="leave out the first N prompts of each task class (kept for measuring)")
-    w.add_argument("--out", required=True)
-    w.add_argument("--k", type=int, default=8)
-    w.add_argument("--max-new-tokens", type=int, default=128)
-    w.add_argument("--batch-size", type=int, default=8)
-    args = ap.parse_args(argv)
-    log = lambda m: print(m, file=sys.stderr, flush=True)
     texts, names = [], []
-    for f in args.prompts_file:
+    for f in files:
         seen: dict = {}
         for p in read_prompts(f):
             seen[p.task] = seen.get(p.task, 0) + 1
-            if seen[p.task] > args.skip_per_task:
+            if skip < seen[p.task] and (take is None or seen[p.task] <= skip + take):
                 texts.append(p.text)
-        names.append(f"{pathlib.Path(f).name} (each task class but its first {args.skip_per_task})")
-    man = warm(args.model, texts, args.out, k=args.k, max_new_tokens=args.max_new_tokens,
-               batch_size=args.batch_size, source="; ".join(names), log=log)
-    print(json.dumps(man, indent=1))
+        names.append(f"{pathlib.Path(f).name} (per task class, prompts {skip + 1}.."
+                     f"{'' if take is None else skip + take})")
+    return texts, "; ".join(names)
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.train_heads.recycle")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("warm", help="warm a matrix from the target's own answers")
+    t = sub.add_parser("tune", help="choose the chain and tree for this machine (tuning.json)")
+    for p in (w, t):
+        p.add_argument("--model", default="smollm2-135m")
+        p.add_argument("--prompts-file", action="append", required=True, help="JSON lines (repeatable)")
+        p.add_argument("--skip-per-task", type=int, default=0,
+                       help="leave out the first N prompts of each task class (kept for measuring)")
+        p.add_argument("--per-task", type=int, default=None, help="then take N of each class (default all)")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+    w.add_argument("--out", required=True)
+    w.add_argument("--k", type=int, default=8)
+    w.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("dir", help="the warm start's directory (tuning.json is written there)")
+    args = ap.parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+    texts, source = _select(args.prompts_file, args.skip_per_task, args.per_task)
+    if args.cmd == "warm":
+        out = warm(args.model, texts, args.out, k=args.k, max_new_tokens=args.max_new_tokens,
+                   batch_size=args.batch_size, source=source, log=log)
+    else:
+        out = tune(args.dir, args.model, texts, max_new_tokens=args.max_new_tokens, log=log)
+        out = {k: out[k] for k in ("default", "chain", "tree", "costs")}
+    print(json.dumps(out, indent=1))
     return 0
 
 

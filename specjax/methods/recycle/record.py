@@ -12,7 +12,6 @@ from specjax.methods.recycle.proposer import Levels, RecycleProposer
 
 METHOD = "recycle"
 SERVING_TABLE = 1 << 16  # the spine's cross-request n-gram table in a long-running host
-CHAIN_K = 4  # the chain before any tuning
 # the tree before any tuning (16 nodes): ranks thin out with depth, the spine deepest
 DEFAULT_TREE: tree_lib.Tree = (
     (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0),
@@ -98,19 +97,20 @@ def _tuning(assets) -> dict:
 
 
 def tuned(assets, tree: bool) -> dict:
-    """The template tuned on this machine (`specjax tune-recycle`): its tree, or its chain; before
-    any tuning, `DEFAULT_TREE` / a chain of `CHAIN_K`."""
-    t = _tuning(assets).get("tree" if tree else "chain")
-    if t:
-        return dict(tree=tuple(tuple(p) for p in t["tree"])) if tree else dict(k=int(t["k"]))
-    return dict(tree=DEFAULT_TREE) if tree else dict(k=CHAIN_K)
+    """The template tuned on this machine (`tuning.json`, `python -m specjax.train_heads.recycle
+    tune`): the default (the fastest chain or tree of at most 16 nodes), or with `tree` the fastest
+    tree of any size; before any tuning, `DEFAULT_TREE`."""
+    t = _tuning(assets).get("tree" if tree else "default")
+    if not t:
+        return dict(tree=DEFAULT_TREE)
+    return dict(tree=tuple(tuple(p) for p in t["tree"])) if "tree" in t else dict(k=int(t["k"]))
 
 
 def auto(assets, ks, given) -> list[dict]:
-    """With a warm start (loaded or shipped): the tuned chain and tree."""
+    """With a warm start (loaded or shipped): the tuned default and the fastest tree."""
     if METHOD not in assets.methods and recycle_assets.shipped_dir(assets.name) is None:
         return []
-    return [dict(method=METHOD, **tuned(assets, t)) for t in (False, True)]
+    return list({repr(o): o for o in (dict(method=METHOD, **tuned(assets, t)) for t in (False, True))}.values())
 
 
 def load_into(engine, path: str) -> None:
