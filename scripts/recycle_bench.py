@@ -3,13 +3,16 @@ each prompt with every arm back to back): tau, tok/s and speedup per task class,
 each arm's window relative to a plain step (measured in the same run: decode time per target
 forward), tau by draft position, and the acceptance of each template node.
 
-Arms (default: none, recycle-tree, recycle-tree-nospine, recycle-tree-cold, recycle-chain):
+Arms (default: none, recycle, recycle-nospine, recycle-cold, recycle-chain):
   none                   the plain loop
-  recycle-tree           the tuned default tree, warm start, prompt lookup on the spine
-  recycle-tree-nospine   the same without the spine
-  recycle-tree-cold      the same with the matrix cold
+  recycle                the tuned default template, warm start, prompt lookup on the spine
+  recycle-nospine        the same without the spine
+  recycle-cold           the same with the matrix cold
+  recycle-first-order    the same without the second-order table
   recycle-chain          the tuned chain
+  recycle-tree           the tuned tree (any size)
   recycle-tree:N         the tuned tree of N nodes (tuning.json's `sizes`)
+  ngram                  prompt lookup, chain of 4
 
     flock /work/tools/heavy.lock .venv/bin/python scripts/recycle_bench.py \\
         --prompts-file ../shared/data/specbench-dev.jsonl --per-task 4 --json out.json
@@ -30,21 +33,25 @@ def arms(engine, names: list[str]) -> dict:
     from specjax.methods.config import SpecConfig
     from specjax.methods.recycle import record
 
+    tuning = record._tuning(engine.assets)
+    default = SpecConfig.make("recycle", **registry.tuned("recycle", engine.assets))
     tuned_tree = registry.tuned("recycle", engine.assets, tree=True)["tree"]
-    tuned_chain = registry.tuned("recycle", engine.assets)["k"]
-    sizes = (record._tuning(engine.assets) or {}).get("sizes", {})
+    tuned_chain = tuning.get("chain", {}).get("k", 4)
+    sizes = tuning.get("sizes", {})
     out = {}
     for name in names:
         if name == "none":
             out[name] = SpecConfig()
+        elif name == "recycle":
+            out[name] = default
         elif name == "recycle-tree":
             out[name] = SpecConfig.make("recycle", tree=tuned_tree)
-        elif name == "recycle-tree-nospine":
-            out[name] = SpecConfig.make("recycle", tree=tuned_tree, recycle_spine=0)
-        elif name == "recycle-tree-cold":
-            out[name] = SpecConfig.make("recycle", tree=tuned_tree, recycle_warm="cold")
-        elif name == "recycle-tree-first-order":
-            out[name] = SpecConfig.make("recycle", tree=tuned_tree, recycle_order=1)
+        elif name == "recycle-nospine":
+            out[name] = default.with_options(recycle_spine=0)
+        elif name == "recycle-cold":
+            out[name] = default.with_options(recycle_warm="cold")
+        elif name == "recycle-first-order":
+            out[name] = default.with_options(recycle_order=1)
         elif name == "recycle-chain":
             out[name] = SpecConfig.make("recycle", k=tuned_chain)
         elif name.startswith("recycle-tree:"):
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--per-task", type=int, default=4)
     ap.add_argument("--skip-per-task", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--arms", default="none,recycle-tree,recycle-tree-nospine,recycle-tree-cold,recycle-chain")
+    ap.add_argument("--arms", default="none,recycle,recycle-nospine,recycle-cold,recycle-chain")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
