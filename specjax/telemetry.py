@@ -38,6 +38,9 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
     accept_hist: list[int] = dataclasses.field(default_factory=list)  # steps that kept exactly n
+    # how often window node i was kept (a tree's nodes in its listed order; a chain's: per position);
+    # merged index-wise, so it reads per node only over chunks of one window
+    accepted_per_node: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_stats(cls, stats, row: int) -> "SpecCounters":
@@ -48,7 +51,9 @@ class SpecCounters:
         return cls(num_drafts=int(hist.sum()), num_draft_tokens=int(np.asarray(stats.drafted)[row]),
                    num_accepted_tokens=int(np.asarray(stats.accepted)[row]),
                    accepted_tokens_per_pos=np.asarray(stats.accepted_per_position)[row].tolist(),
-                   accept_hist=hist.tolist())
+                   accept_hist=hist.tolist(),
+                   accepted_per_node=([] if stats.accepted_per_node is None
+                                      else np.asarray(stats.accepted_per_node)[row].tolist()))
 
     def merge(self, other: "SpecCounters") -> "SpecCounters":
         self.num_drafts += other.num_drafts
@@ -56,6 +61,7 @@ class SpecCounters:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.accepted_tokens_per_pos = _add(self.accepted_tokens_per_pos, other.accepted_tokens_per_pos)
         self.accept_hist = _add(self.accept_hist, other.accept_hist)
+        self.accepted_per_node = _add(self.accepted_per_node, other.accepted_per_node)
         return self
 
     @property

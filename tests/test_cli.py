@@ -18,7 +18,7 @@ from specjax.serving.engine import Engine
     (["--method", "auto"], SpecConfig()),  # auto's options come from the controller, not one spec
     (["--method", "ngram"], SpecConfig(method="ngram", k=4)),
     (["--method", "ngram", "--k", "6", "--ngram-min", "2", "--ngram-max", "4"],
-     SpecConfig(method="ngram", k=6, ngram_min=2, ngram_max=4)),
+     SpecConfig.make("ngram", k=6, ngram_min=2, ngram_max=4)),
     (["--method", "draft", "--k", "2", "--draft-model", "x"], SpecConfig(method="draft", k=2)),
     (["--method", "medusa", "--k", "3"], SpecConfig(method="medusa", k=3)),
     (["--method", "medusa", "--tree", "small"], SpecConfig(method="medusa", tree="small")),
@@ -36,7 +36,7 @@ def test_generate_flags_make_their_spec(argv, want):
     (["--method", "ngram", "--k", "17"], "k=17"),
     (["--method", "medusa", "--tree", "huge"], "unknown tree 'huge'"),
     (["--method", "medusa", "--tree", "[[0],[1,0]]"], "parent"),
-    (["--method", "ngram", "--tree", "small"], "'medusa' only"),
+    (["--method", "ngram", "--tree", "small"], "'medusa' or 'recycle' only"),
     (["--method", "eagle", "--nodes", "-1"], "--nodes=-1"),
     (["--method", "draft"], "--draft-model"),
     (["--batch-size", "0"], "--batch-size=0"),
@@ -52,14 +52,15 @@ def test_a_method_contributes_its_flags_from_its_record(monkeypatch, capsys):
     """A record's `Flag`s reach every command that takes a method and set their option; the bound
     is checked before any model loads. Nothing in the CLI names the method."""
     from specjax.methods import registry
+    from specjax.methods.ngram.options import NgramOptions
     from specjax.methods.ngram.proposer import NgramProposer
 
-    toy = registry.Record("toy", NgramProposer.from_spec, flags=(
+    toy = registry.Record("toy", NgramProposer.from_spec, option_type=NgramOptions, flags=(
         registry.Flag("--toy-longest", "ngram_max", int, "toy: longest n-gram", min=2),))
     monkeypatch.setitem(registry.RECORDS, "toy", toy)
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--method", "toy", "--toy-longest", "5"])
-    assert specs.spec_of(args, "toy", strict=True) == SpecConfig(method="toy", k=4, ngram_max=5)
+    assert specs.spec_of(args, "toy", strict=True) == SpecConfig.make("toy", k=4, ngram_max=5)
     for command in (["bench"], ["loadbench"], ["serve"]):
         assert parser.parse_args([*command, "--toy-longest", "4"]).toy_longest == 4
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))

@@ -3,8 +3,9 @@
 
 import pytest
 
-from specjax.methods.config import MAX_K, TREES, SpecConfig, parse_tree
 from specjax.core.ngram_table import TableConfig
+from specjax.methods.config import MAX_K, TREES, SpecConfig, parse_tree
+from specjax.methods.ngram.options import NgramOptions
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -14,7 +15,7 @@ from specjax.core.ngram_table import TableConfig
     (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
     (dict(method="ngram", ngram_min=0), "ngram_min"),
     (dict(method="hydra"), "unknown method"),
-    (dict(method="ngram", tree="small"), "'medusa' only"),
+    (dict(method="ngram", tree="small"), "'medusa' or 'recycle' only"),
     (dict(method="medusa", tree="huge"), "unknown tree"),
     (dict(method="medusa", tree=((0,), (1, 0))), "parent"),
     (dict(method="medusa", tree=((0,), (0,))), "twice"),
@@ -22,7 +23,7 @@ from specjax.core.ngram_table import TableConfig
 ])
 def test_bad_spec_config(kw, match):
     with pytest.raises(ValueError, match=match):
-        SpecConfig(**kw)
+        SpecConfig.make(**kw)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -37,7 +38,7 @@ def test_bad_spec_config(kw, match):
 def test_bad_options_name_themselves(kw, match):
     """Each refusal is a ValueError naming the option and its bad value."""
     with pytest.raises(ValueError, match=match):
-        SpecConfig(**kw)
+        SpecConfig.make(**kw)
 
 
 def test_trees_resolve_and_set_k():
@@ -60,8 +61,31 @@ def test_parse_tree():
 
 
 def test_table_config():
-    assert SpecConfig(method="ngram", k=4).table_config() is None  # off by default
-    spec = SpecConfig(method="ngram", k=4, ngram_table=128, ngram_min=1, ngram_max=3)
-    assert spec.table_config() == TableConfig(size=128, width=4, min_n=2, max_n=3)  # no 1-grams across requests
-    assert spec.table_config(width=6).width == 6 and spec.table_config(width=2).width == 4
-    assert SpecConfig(method="ngram", ngram_table=8, ngram_min=1, ngram_max=1).table_config().min_n == 1
+    from specjax.core.decoder import Decoder
+
+    proposer = lambda **kw: SpecConfig.make("ngram", **kw)
+    assert SpecConfig.make("ngram", k=4).options.ngram_table == 0  # off by default
+    spec = SpecConfig.make("ngram", k=4, ngram_table=128, ngram_min=1, ngram_max=3)
+    assert spec.options == NgramOptions(ngram_table=128)
+    from specjax.methods import registry
+
+    table = registry.build(spec, None)[0].table
+    assert table == TableConfig(size=128, width=4, min_n=2, max_n=3)  # no 1-grams across requests
+    assert registry.build(proposer(ngram_table=8, ngram_min=1, ngram_max=1), None)[0].table.min_n == 1
+    assert registry.build(proposer(k=4), None)[0].shared == ()
+    assert Decoder(cache_length=32, proposer=registry.build(spec, None)[0]).shared == (table,)
+
+
+def test_options_belong_to_their_method():
+    """A method's own options are its dataclass's fields: `make` routes keywords there, another
+    method's option is refused by name, a wrong dataclass too."""
+    assert SpecConfig(method="ngram") == SpecConfig(method="ngram", options=NgramOptions())
+    assert SpecConfig.make("ngram", k=2, ngram_max=5).with_options(ngram_max=4).options.ngram_max == 4
+    with pytest.raises(ValueError, match="ngram_table= applies to method 'ngram' only"):
+        SpecConfig.make("medusa", ngram_table=64)
+    with pytest.raises(ValueError, match="unknown option bogus="):
+        SpecConfig.make("ngram", bogus=1)
+    with pytest.raises(ValueError, match="takes NgramOptions"):
+        SpecConfig(method="ngram", options=TableConfig())
+    with pytest.raises(ValueError, match="takes no options"):
+        SpecConfig(method="draft", options=NgramOptions())

@@ -7,6 +7,7 @@ key streams give independent samples, compared with chi-square tests on the pair
 accepted drafts, the corrections and the bonus token, not only the prefill's t1.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -103,7 +104,7 @@ def chi_square_p(codes, probs):
 
 def generate(eng, method, opts, seed, **spec):
     batch = eng.start([PROMPT] * N, GenerateOptions(max_new_tokens=NEW, seed=seed, **opts),
-                      spec=SpecConfig(method=method, k=K, **spec))
+                      spec=SpecConfig.make(method, k=K, **spec))
     batch.run()
     toks = np.array(batch.new_tokens())
     assert toks.shape == (N, NEW)
@@ -135,6 +136,21 @@ def test_prompt_lookup_with_a_shared_table_follows_the_target(eng, target, setti
     the drafting row's own randomness at that step."""
     opts = SETTINGS[setting]
     toks, st = generate(eng, "ngram", opts, seed=31 + len(setting), ngram_table=61)
+    pvals = pair_pvalues(toks, joint(conditionals(target, opts)))
+    assert min(pvals.values()) > ALPHA, pvals
+    assert 0 < int(st.accepted.sum()) < int(st.drafted.sum())
+
+
+RECYCLE_TREE = ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0))  # depth K, siblings from one matrix row
+
+
+@pytest.mark.parametrize("setting", ["t1.0", "top_p0.8"])
+def test_recycling_tree_follows_the_target(eng, target, setting):
+    """Token recycling's tree (the matrix every row writes, prompt lookup on the spine) under the tree
+    rule: its drafts depend on committed text and other rows' earlier windows, never on this step's
+    draws, and siblings are distinct tokens, so the samples follow the target."""
+    opts = SETTINGS[setting]
+    toks, st = generate(eng, "recycle", opts, seed=53 + len(setting), tree=RECYCLE_TREE)
     pvals = pair_pvalues(toks, joint(conditionals(target, opts)))
     assert min(pvals.values()) > ALPHA, pvals
     assert 0 < int(st.accepted.sum()) < int(st.drafted.sum())
@@ -178,6 +194,42 @@ def test_speculative_sampling_through_the_schedulers_insert_path_follows_the_tar
 
 
 # ---- negative controls: the same test rejects the library's rule once it is broken --------------
+
+
+def _duplicate_siblings():
+    """WRONG on purpose: token recycling with nodes (1,) and (2,) copies of node (0,), and their
+    children copies of (0, 0), so siblings carry one token (the tree rule needs distinct siblings:
+    identical subtrees give the walk several independent draws at one prefix)."""
+    import dataclasses
+
+    from specjax.methods.recycle.proposer import RecycleProposer
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class DuplicateSiblings(RecycleProposer):
+        def propose(self, params, pstate, state, sampling_config, keys):
+            nodes, q, pstate = super().propose(params, pstate, state, sampling_config, keys)
+            at = RECYCLE_TREE.index
+            for copy, of in (((1,), (0,)), ((2,), (0,)), ((1, 0), (0, 0)), ((2, 0), (0, 0))):
+                nodes = nodes.at[:, at(copy)].set(nodes[:, at(of)])
+            return nodes, q, pstate
+
+    return DuplicateSiblings
+
+
+def test_recycling_with_duplicate_siblings_is_detected(eng, target):
+    """The same chi-square test rejects recycling's drafts once siblings repeat a token; the right
+    proposer in the same loop passes (the control)."""
+    opts = SETTINGS["t1.0"]
+    right, warm = eng.proposer(SpecConfig.make("recycle", tree=RECYCLE_TREE))
+    broken = _duplicate_siblings()(**{f.name: getattr(right, f.name) for f in dataclasses.fields(right)})
+    inputs = Inputs.create([PROMPT] * N, max_new_tokens=NEW, seed=97, **opts)
+    dist = joint(conditionals(target, opts))
+    pvals = {}
+    for name, proposer in (("broken", broken), ("right", right)):
+        dec = Decoder(proposer=proposer, sampling="sample", cache_length=64)
+        toks = np.array(new_tokens(specjax_generate(target, inputs, decoder=dec, pparams=warm)))
+        pvals[name] = min(pair_pvalues(toks, dist).values())
+    assert pvals["broken"] < 1e-6 and pvals["right"] > ALPHA, pvals
 
 
 class ResampleFromP(acceptance.Speculative):

@@ -5,8 +5,10 @@ import dataclasses
 import pathlib
 import re
 from types import SimpleNamespace
+from typing import ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import struct
 from jax.sharding import PartitionSpec as P
@@ -14,7 +16,9 @@ from jaxtyping import Array, Int
 
 from specjax import sharding
 from specjax.methods.config import SpecConfig
-from specjax.serving.engine import Engine
+from specjax.core import shared as shared_state
+from specjax.serving.engine import Engine, GenerateOptions
+from specjax.serving.scheduler import Scheduler
 from specjax.methods import registry
 from specjax.core.proposer import Stateless
 from specjax.core.state import last_tokens
@@ -75,7 +79,7 @@ def test_toy_method_through_the_engine_equals_plain(tiny_model, follow):
 def test_toy_method_is_validated_by_its_record(follow):
     with pytest.raises(ValueError, match="at most 8"):
         SpecConfig(method="follow", k=9)
-    with pytest.raises(ValueError, match="'medusa' only"):  # another method's option
+    with pytest.raises(ValueError, match="'medusa' or 'recycle' only"):  # another method's option
         SpecConfig(method="follow", tree="small")
 
 
@@ -146,3 +150,121 @@ def test_a_proposer_without_the_protocol_is_refused():
 
     with pytest.raises(TypeError, match="not a Proposer|parameter 'proposer'"):  # the latter: the test hook's
         Decoder(proposer=Bare(), cache_length=64)
+
+
+# ---- a toy method with its own option, asset and batch-shared state, all from this file --------------
+
+
+@struct.dataclass
+class Successors(sharding.Logical):
+    """Batch-shared: the token that last followed each token, and the tenant whose text it was."""
+
+    after: Int[Array, "V"]
+    owner: Int[Array, "V"]
+
+    def logical_axes(self):
+        return dict(after=(), owner=())
+
+
+@dataclasses.dataclass(frozen=True)
+class SuccessorSpec:
+    """Declares `Successors` (a `specjax.core.shared.SharedSpec`): written after every commit."""
+
+    name: ClassVar[str] = "successors"
+    top_k: ClassVar[int] = 0  # reads committed text only
+    vocab: int
+
+    def init(self) -> Successors:
+        return Successors(after=jnp.full((self.vocab,), -1, jnp.int32), owner=jnp.full((self.vocab,), -1, jnp.int32))
+
+    def update(self, table: Successors, seen) -> Successors:
+        b = seen.after.tokens.shape[0]
+        j = jnp.arange(seen.width)[None, :]
+        pos = seen.before.lengths[:, None] + j  # the newly committed positions
+        ok = (j < (seen.after.lengths - seen.before.lengths)[:, None]) & seen.contribute[:, None]
+        tok = lambda p: jnp.take_along_axis(seen.after.tokens, jnp.clip(p, 0, seen.after.tokens.shape[1] - 1), axis=1)
+        prev, cur = tok(pos - 1).reshape(-1), tok(pos).reshape(-1)
+        at = shared_state.winners(prev, (j * b + jnp.arange(b)[:, None] + 1).reshape(-1), ok.reshape(-1), self.vocab)
+        tenant = jnp.broadcast_to(seen.tenant[:, None], pos.shape).reshape(-1)
+        return Successors(after=table.after.at[at].set(cur, mode="drop"), owner=table.owner.at[at].set(tenant, mode="drop"))
+
+    def merge(self, other):
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.vocab
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuccessorOptions:
+    succ_prior: bool = True  # where the shared table knows no successor, draft the loaded prior's
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuccessorProposer(Stateless):
+    """Follows the batch's successor table (its tenant's entries), else the prior asset."""
+
+    k: int
+    spec: SuccessorSpec
+    prior: bool
+
+    @property
+    def shared(self):
+        return (self.spec,)
+
+    def propose(self, params, pstate, state, sampling_config, keys):
+        table = state.shared.parts[self.spec.name]
+        tenant = jnp.zeros_like(state.lengths) if state.tenant is None else state.tenant
+        tok, drafts = last_tokens(state), []
+        for _ in range(self.k):
+            known = (table.owner[tok] == tenant) & (table.after[tok] >= 0)
+            tok = jnp.where(known, table.after[tok], params[tok] if self.prior else tok)
+            drafts.append(tok)
+        return jnp.stack(drafts, axis=1).astype(jnp.int32), None, pstate
+
+
+def build_successors(spec, assets):
+    v = assets.target.config.vocab_size
+    prior = assets.methods.get("successors")
+    prior = jnp.arange(v, dtype=jnp.int32) if prior is None else jnp.asarray(prior, jnp.int32)
+    return SuccessorProposer(k=spec.k, spec=SuccessorSpec(vocab=v), prior=spec.options.succ_prior), prior
+
+
+@pytest.fixture
+def successors(monkeypatch):
+    """The toy method's record: its options, its asset's loader, its proposer (which declares its
+    shared state), registered for this test only."""
+    load = lambda engine, path: engine.set_asset("successors", np.load(path))
+    monkeypatch.setitem(registry.RECORDS, "successors", registry.Record(
+        "successors", build_successors, option_type=SuccessorOptions, load=load))
+
+
+def test_toy_method_with_an_option_an_asset_and_shared_state(tiny_model, successors, tmp_path):
+    """The asset (a prior successor per token, from a plain run) makes the first request's drafts
+    right; the option turns it off; the shared state, kept by the scheduler across requests, makes
+    a repeated request's drafts right without it. Greedy output equals plain throughout."""
+    eng = Engine(tiny_model)
+    plain = [r.tokens for r in eng.generate(PROMPTS, max_new_tokens=12)]
+    prior = np.arange(tiny_model.config.vocab_size)
+    for p, t in zip(PROMPTS, plain):
+        text = p + t
+        prior[text[:-1]] = text[1:]
+    np.save(tmp_path / "prior.npy", prior)
+    eng.load_asset("successors", str(tmp_path / "prior.npy"))
+    kept = {}
+    for use in (True, False):
+        res = eng.generate(PROMPTS, max_new_tokens=12, spec=SpecConfig.make("successors", k=3, succ_prior=use))
+        assert [r.tokens for r in res] == plain
+        kept[use] = sum(r.counters.num_accepted_tokens for r in res)
+    assert kept[True] > kept[False]
+    with pytest.raises(ValueError, match="succ_prior= applies to method 'successors' only"):
+        SpecConfig.make("ngram", succ_prior=False)
+    s = Scheduler(eng, slots=1, spec=SpecConfig.make("successors", k=3, succ_prior=False), chunk=2,
+                  opts=GenerateOptions(max_new_tokens=12), max_prompt_tokens=32)
+    for p in (PROMPTS[2], PROMPTS[2]):
+        s.submit(p)
+    first, again = s.run()
+    assert first.tokens == again.tokens == plain[2]
+    assert again.target_forwards < first.target_forwards
+    assert s.memory(measured=False).parts["successors"] == 8 * tiny_model.config.vocab_size

@@ -109,7 +109,7 @@ def alone(eng):
 
 @pytest.mark.parametrize("size", [1, 5, 1 << 12])
 def test_engine_with_a_table_equals_plain(eng, alone, size):
-    res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="ngram", k=4, ngram_table=size))
+    res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig.make("ngram", k=4, ngram_table=size))
     assert [r.tokens for r in res] == alone  # collisions and eviction (size 1, 5) change nothing
 
 

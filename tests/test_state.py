@@ -8,7 +8,8 @@ import numpy as np
 from specjax.models.kv_cache import KVCache
 from specjax.core.ngram_table import NgramTable, TableConfig
 from specjax.core.sampling import SamplingParams
-from specjax.core.state import DecodeState, Shared, insert_row, learn, rows_map, step_keys
+from specjax.core.shared import Observed
+from specjax.core.state import DecodeState, Shared, insert_row, rows_map, step_keys
 from specjax.core.state import commit as _commit
 
 commit = jax.jit(_commit, static_argnames="window")
@@ -119,7 +120,7 @@ def _with_table(state, fill, forwards=7):
     """The batch's shared part: step counter `forwards` and a table whose keys are all `fill`."""
     table = NgramTable.empty(TableConfig(size=4, width=2))
     table = table.replace(keys=jnp.full_like(table.keys, fill))
-    return state.replace(shared=Shared(forwards=jnp.asarray(forwards, jnp.int32), table=table))
+    return state.replace(shared=Shared(forwards=jnp.asarray(forwards, jnp.int32), parts={"ngram": table}))
 
 
 def test_rows_map_slices_rows_but_not_scalars_or_the_table():
@@ -146,21 +147,24 @@ def test_insert_row_replaces_one_row_and_leaves_the_others():
     assert (np.asarray(out.table.keys) == 3).all()  # the batch's table, not the row's
 
 
-# ---- the shared n-gram table learns in the step, not in commit ----------------------------------------
+# ---- the shared n-gram table learns after the commit, not in it -------------------------------------
 
 
-def test_commit_leaves_the_table_and_learn_writes_what_contributing_rows_committed():
+def test_commit_leaves_the_table_and_its_update_writes_what_contributing_rows_committed():
     cfg = TableConfig(size=64, width=2, min_n=2, max_n=2)
     s = _state([4, 4], capacity=12, blank=True).replace(
-        shared=Shared(forwards=jnp.zeros((), jnp.int32), table=NgramTable.empty(cfg)),
+        shared=Shared(forwards=jnp.zeros((), jnp.int32), parts={cfg.name: cfg.init()}),
         contribute=jnp.asarray([True, False]))
     s = s.replace(tokens=s.tokens.at[:, :4].set(jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]])))
     new = jnp.asarray([[9, 10, 11], [9, 10, 11]], jnp.int32)
     after, take = commit(s, new, jnp.asarray([3, 3]), window=3)
     np.testing.assert_array_equal(after.table.keys, s.table.keys)  # commit writes no n-gram
-    learned = learn(s, after, 3)
-    keys = {tuple(k) for k in np.asarray(learned.table.keys).tolist() if any(x != np.asarray(s.table.keys)[0][0]
-                                                                            for x in k)}
+    zeros = jnp.zeros((2, 1), jnp.int32)
+    seen = Observed(before=s, after=after, scored=zeros, prev=zeros - 1, mask=jnp.ones((2, 1), bool), order=zeros,
+                    width=3)
+    learned = cfg.update(after.table, seen)
+    keys = {tuple(k) for k in np.asarray(learned.keys).tolist() if any(x != np.asarray(s.table.keys)[0][0]
+                                                                       for x in k)}
     assert keys, "nothing learned"
     row1 = {1, 2, 3, 4, 9, 10, 11}
     assert all(set(k) <= row1 | {-1, 0} for k in keys), keys  # row 1 does not contribute

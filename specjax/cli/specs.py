@@ -35,7 +35,8 @@ def check_flags(args) -> None:
 def spec_of(args, method: str, *, strict: bool = False, engine=None, tree: bool | None = None):
     """The `SpecConfig` of `method` from the flags in `args` (`--k` defaults to 4). A method with
     tuned settings takes them from the loaded assets, flags overriding: it needs the `engine`
-    (None without one), and runs its tree when `tree` (None: when a tree flag of its own is given).
+    (None without one), and runs its tree when `tree` (None: when a tree flag of its own is given);
+    a method that drafts a static tree (recycle) runs the chain of `--k` or the `--tree` given instead.
     `strict`: flags of another method are passed on too, so the spec refuses them (one method runs,
     so such a flag is a mistake); else only the method's own apply."""
     from specjax.methods.config import SpecConfig
@@ -44,8 +45,9 @@ def spec_of(args, method: str, *, strict: bool = False, engine=None, tree: bool 
         return SpecConfig()
     rec = registry.record(method)
     given = flag_values(args, None if strict else method)
-    if rec.tuned is None:
-        return SpecConfig(method=method, **{"k": DEFAULT_K, **given})
+    explicit = "tree" in rec.options and ({"k", "tree"} & given.keys())  # a template of one's own
+    if rec.tuned is None or explicit:
+        return SpecConfig.make(method, **{"k": DEFAULT_K, **given})
     if engine is None:
         return None  # from the loaded assets' tuning
     trees = {f.field for f in rec.flags if f.tree}

@@ -23,7 +23,7 @@ nodes, q = propose(...)                  # [B, K] drafted tokens (+ q [B, K, V] 
 out = verify(target, state, nodes)       # one target pass over the window (tree mask)
 acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
 state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
-state = learn(before, state)             # the batch's shared n-gram table reads what was committed
+shared = update(shared, observed)        # methods' batch-shared state reads the commit and the scores
 pstate = proposer.reconcile(out, acc)    # e.g. a draft cache or the hidden state at the leaf
 ```
 
@@ -48,13 +48,14 @@ from jaxtyping import Array, Bool, Int, PyTree
 from specjax import sharding
 from specjax.core import acceptance
 from specjax.core import sampling
+from specjax.core import shared as shared_state
 from specjax.core import tree
 from specjax.core.proposer import Proposer
 from specjax.models.transformer import Output, Transformer
-from specjax.core.ngram_table import NgramTable, TableConfig
 from specjax.core.sampling import Sampling, SamplingParams
-from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens, learn,
-                           step_keys, tick)
+from specjax.core.shared import Observed, SharedSpec
+from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens,
+                                step_keys, tick)
 
 MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
@@ -115,8 +116,8 @@ class Inputs:
     sampling: SamplingParams
     stop_ids: Int[Array, "B E"]  # padded with -1
     keys: Array  # [B] PRNG keys
-    contribute: Bool[Array, "B"]  # the row's text may enter a cross-request n-gram table
-    tenant: Int[Array, "B"] | None = None  # the row's scope of that table (see specjax.core.ngram_table)
+    contribute: Bool[Array, "B"]  # the row's text may enter batch-shared method state
+    tenant: Int[Array, "B"] | None = None  # the row's scope of that state (see specjax.core.shared)
 
     @classmethod
     def create(cls, prompts: Sequence, *, bucket: int | None = None,  # Sequence[Sequence[int]], checked here
@@ -135,8 +136,9 @@ class Inputs:
           seed, row_ids: row r's key is `fold_in(key(seed), row_ids[r])`; row ids default to
             0..B-1. Give each row its global index (or request id) so that no two rows of any
             batch share a random stream.
-          contribute: whether each row's text may enter a cross-request n-gram table.
-          tenant: each row's scope of that table: a row reads only what rows of its tenant wrote.
+          contribute: whether each row's text may enter batch-shared method state (the cross-request
+            n-gram table, token recycling's matrix).
+          tenant: each row's scope of that state: a row reads only what rows of its tenant wrote.
         """
         if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
                                                     for p in prompts):
@@ -208,23 +210,33 @@ class Stats:
     accepted: Int[AnyArray, "B"]
     accepted_per_position: Int[AnyArray, "B A"]  # how often the draft at depth j + 1 was kept
     accept_hist: Int[AnyArray, "B A+1"]  # how often a step kept exactly n drafts
+    accepted_per_node: Int[AnyArray, "B N"] | None = None  # how often window node i was kept (slot i + 1)
 
     @classmethod
-    def zeros(cls, batch: int, depth: int) -> "Stats":
+    def zeros(cls, batch: int, depth: int, nodes: int = 0) -> "Stats":
         z = lambda *s: jnp.zeros(s, jnp.int32)
         return cls(drafted=z(batch), accepted=z(batch), accepted_per_position=z(batch, depth),
-                   accept_hist=z(batch, depth + 1))
+                   accept_hist=z(batch, depth + 1), accepted_per_node=z(batch, nodes))
 
-    def update(self, active, n, nodes: int) -> "Stats":
+    def update(self, active, n, nodes: int, path=None) -> "Stats":
+        """Counts one step of the `active` rows: `n` drafts kept along `path` (the kept nodes' window
+        slots by depth, `Accepted.path`; None: a chain's)."""
         depth = self.accepted_per_position.shape[1]
         a = active.astype(jnp.int32)
         kept = n * a
+        per_node = self.accepted_per_node
+        if per_node is not None and per_node.shape[1]:
+            w = per_node.shape[1] + 1
+            d = jnp.arange(path.shape[1])[None, :]
+            hit = jax.nn.one_hot(path, w, dtype=jnp.int32) * ((d >= 1) & (d <= kept[:, None]))[..., None]
+            per_node = per_node + hit.sum(axis=1)[:, 1:]
         return Stats(
             drafted=self.drafted + nodes * a,
             accepted=self.accepted + kept,
             accepted_per_position=self.accepted_per_position
             + (jnp.arange(depth)[None] < kept[:, None]).astype(jnp.int32),
             accept_hist=self.accept_hist + jax.nn.one_hot(n, depth + 1, dtype=jnp.int32) * a[:, None],
+            accepted_per_node=per_node,
         )
 
 
@@ -266,8 +278,11 @@ class Decoder:
         the sampling method and the window's shape (`acceptance.default_rule`).
       sampling: `sampling.Greedy()` (argmax) or `sampling.Sample()` (per-row temperature / top-k /
         top-p; rows at temperature 0 stay greedy), or their names "greedy" / "sample".
-      ngram_table: a cross-request n-gram table in the state (`specjax.core.ngram_table`): every
-        commit writes to it and prompt lookup reads it when a row's own context has no match.
+      shared: the batch-shared method state the program carries (`specjax.core.shared`): one
+        `SharedSpec` per part (the cross-request n-gram table, token recycling's matrix), updated
+        after every commit. None: the proposer's own (`Proposer.shared`). A host that runs several
+        options over one batch gives each the union of theirs (`shared.union`); it must cover the
+        proposer's.
       mesh: the device mesh the programs run on (`specjax.sharding.make_mesh`), or None for one
         device. The methods trace for it (`sharding.use`): the carry, the model's activations and
         top-k are laid out by the logical-axis rules on this mesh, whatever `jax.set_mesh` says.
@@ -277,7 +292,7 @@ class Decoder:
     proposer: Proposer | None = None
     acceptance: Any = None
     sampling: Sampling | str = sampling.Greedy()
-    ngram_table: TableConfig | None = None
+    shared: tuple[SharedSpec, ...] | None = None
     mesh: Mesh | None = None
 
     def __post_init__(self):
@@ -286,6 +301,14 @@ class Decoder:
             raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
                             "taps, init, propose and reconcile (specjax.core.proposer)")
         object.__setattr__(self, "sampling", sampling.method(self.sampling))
+        own = () if self.proposer is None else tuple(self.proposer.shared)
+        given = own if self.shared is None else tuple(self.shared)
+        bad = [s for s in given if not isinstance(s, SharedSpec)]
+        if bad:
+            raise TypeError(f"shared={bad[0]!r} is not a SharedSpec (specjax.core.shared): it must declare "
+                            "name, top_k, init, update, merge and nbytes")
+        shared_state.covers(given, own)
+        object.__setattr__(self, "shared", shared_state.union(given))
         if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
             raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
                              f"({self.window}); see specjax.core.decoder.cache_length")
@@ -320,22 +343,31 @@ class Decoder:
         """The most drafts one step can accept (0 for the plain loop)."""
         return self.topology.max_depth
 
+    @property
+    def nodes(self) -> int:
+        """Drafted nodes per step (0 for the plain loop)."""
+        return self.topology.num_nodes
+
     # ---- prefill ---------------------------------------------------------------------------
-    def prefill_target(self, model: Transformer, inputs: Inputs, *,
+    def prefill_target(self, model: Transformer, inputs: Inputs, parts: dict | None = None, *,
                        window: int | None = None) -> tuple[DecodeState, Array]:
         """Runs the prompts through the target and commits the first new token of each row.
 
         The model builds the cache (`init_cache`) for forwards of up to `window` tokens (this
         decoder's own window by default; `Slots` passes the widest of the options sharing it). Pad
         slots past a row's prompt are never attended: they lie after the row's query positions and
-        are overwritten as the row generates (a sliding-window ring does not store them). Returns
-        the state and the features the proposer reads at every prompt position: the final hidden
-        states `[B, P, D]`, or the inputs of its `taps` layers concatenated `[B, P, len(taps) * D]`.
+        are overwritten as the row generates (a sliding-window ring does not store them). The
+        batch-shared state sees every prompt position (`Observed`): `parts` is the state it starts
+        from (a running batch's, when a request is inserted into it), or None for empty
+        (`SharedSpec.init`). Returns the state and the features the proposer reads at every prompt
+        position: the final hidden states `[B, P, D]`, or the inputs of its `taps` layers
+        concatenated `[B, P, len(taps) * D]`.
         """
         with sharding.use(self.mesh):
-            return self._prefill_target(model, inputs, window or self.window)
+            return self._prefill_target(model, inputs, parts, window or self.window)
 
-    def _prefill_target(self, model: Transformer, inputs: Inputs, window: int) -> tuple[DecodeState, Array]:
+    def _prefill_target(self, model: Transformer, inputs: Inputs, parts: dict | None,
+                        window: int) -> tuple[DecodeState, Array]:
         b, p = inputs.prompts.shape
         if p + self.window > self.cache_length:
             raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
@@ -353,11 +385,48 @@ class Decoder:
             done=jnp.zeros((b,), bool), cache=cache, sampling=inputs.sampling, stop_ids=inputs.stop_ids,
             keys=inputs.keys, row_forwards=jnp.zeros((b,), jnp.int32),
             shared=Shared(forwards=jnp.zeros((), jnp.int32),
-                          table=None if self.ngram_table is None else NgramTable.empty(self.ngram_table)),
+                          parts=shared_state.init(self.shared) if parts is None else parts),
             contribute=inputs.contribute, tenant=inputs.tenant)
         first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
-        state = learn(state, commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0], 1)
-        return state, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
+        after = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0]
+        if self.shared:
+            k = shared_state.top_k_needed(self.shared)
+            top = shared_state.chunked_top_k(model.logits, hidden, k) if k else None
+            prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), inputs.prompts[:, :-1]], axis=1)
+            real = jnp.arange(p)[None, :] < inputs.prompt_lengths[:, None]
+            after = self._observe(state, after, inputs.prompts, prev, real, jnp.arange(p)[None, :], top, width=1)
+        return after, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
+
+    def _observe(self, before: DecodeState, after: DecodeState, scored, prev, real, order, top, *,
+                 width: int) -> DecodeState:
+        """`after` with the batch-shared state updated by the commit from `before` and the scores."""
+        if not self.shared:
+            return after
+        contribute = jnp.ones_like(before.done) if after.contribute is None else after.contribute
+        mask = real & (~before.done & contribute)[:, None]
+        seen = Observed(before=before, after=after, scored=scored.astype(jnp.int32), prev=prev.astype(jnp.int32),
+                        mask=mask, order=jnp.broadcast_to(order, scored.shape).astype(jnp.int32), top=top,
+                        width=width)
+        parts = shared_state.update(self.shared, after.shared.parts, seen)
+        return after.replace(shared=after.shared.replace(parts=parts))
+
+    def _observe_window(self, before: DecodeState, after: DecodeState, window, logits, path, n,
+                        topo: tree.AnyTopology) -> DecodeState:
+        """`_observe` of a verified window (the pending token and the nodes): each slot's token,
+        its parent's token (the root's: the committed token before it), the accepted path first."""
+        if not self.shared:
+            return after
+        b, w = window.shape
+        k = shared_state.top_k_needed(self.shared)
+        top = shared_state.top_k(logits, k) if k else None
+        before_root = jnp.take_along_axis(before.tokens, jnp.maximum(before.lengths - 2, 0)[:, None], axis=1)
+        root_prev = jnp.where(before.lengths[:, None] >= 2, before_root, -1)
+        prev = root_prev if w == 1 else jnp.concatenate([root_prev, tree.at_parents(window, topo)], axis=1)
+        d = jnp.arange(path.shape[1])[None, :]
+        kept = jnp.where(d <= n[:, None], path, -1)  # the accepted path's slots
+        on_path = jnp.any(kept[:, :, None] == jnp.arange(w)[None, None, :], axis=1)
+        order = on_path.astype(jnp.int32) * w + jnp.arange(w)[None, :]
+        return self._observe(before, after, window, prev, jnp.ones((b, w), bool), order, top, width=path.shape[1])
 
     def init_proposer(self, pparams, state: DecodeState, inputs: Inputs, hidden) -> Any:
         """The proposer's state after the prefill (None for the plain loop)."""
@@ -370,7 +439,7 @@ class Decoder:
         """Prefills the batch and sets up the proposer: the state `decode` continues from."""
         state, hidden = self.prefill_target(model, inputs)
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
-                      stats=Stats.zeros(inputs.batch_size, self.depth))
+                      stats=Stats.zeros(inputs.batch_size, self.depth, self.nodes))
         return sharding.constrain_carry(state, self.mesh)  # the loop's layout (a no-op without a mesh)
 
     def insert(self, state: PyTree, row: PyTree, slot: Int[Array, ""]) -> PyTree:
@@ -386,7 +455,7 @@ class Decoder:
 
     def _step(self, model: Transformer, pparams, s: State) -> State:
         if self.proposer is None:
-            return dataclasses.replace(s, decode=plain_step(model, self.sampling, s.decode))
+            return dataclasses.replace(s, decode=self.plain_step(model, s.decode))
         state, topo = s.decode, self.topology
         nodes, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
                                                  step_keys(state, salt=1))
@@ -396,9 +465,18 @@ class Decoder:
         acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
                                      state.sampling, topo)
         active = ~state.done
-        state = learn(state, commit_path(state, out.cache, nodes, acc, topo), self.depth + 1)
+        window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
+        new = commit_path(state, out.cache, nodes, acc, topo)
+        state = self._observe_window(state, new, window, out.logits, acc.path, acc.n, topo)
         pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
-        return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes))
+        return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes, acc.path))
+
+    def plain_step(self, model: Transformer, state: DecodeState) -> DecodeState:
+        """The plain loop's step (`plain_step`), then the batch-shared state sees its one token."""
+        new, logits = _plain(model, self.sampling, state)
+        path = jnp.zeros((state.lengths.shape[0], 1), jnp.int32)
+        return self._observe_window(state, new, last_tokens(state)[:, None], logits, path,
+                                    jnp.zeros_like(state.lengths), tree.topology(()))
 
     def decode(self, model: Transformer, pparams, state: State, stop_at: Int[Array, ""] | None = None) -> State:
         """Steps until every row is done or the batch's step counter reaches `stop_at`.
@@ -415,12 +493,15 @@ class Decoder:
 
 def plain_step(model: Transformer, sampling_config: Sampling, state: DecodeState) -> DecodeState:
     """The plain loop's step, the oracle of every speculative path: feed the pending token, sample
-    the next one, commit it."""
+    the next one, commit it (without batch-shared state: `Decoder.plain_step` updates it)."""
+    return _plain(model, sampling_config, state)[0]
+
+
+def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState) -> tuple[DecodeState, Array]:
     pos = state.lengths - 1
     out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
     nxt = sampling_config.draw(step_keys(state), out.logits[:, 0], state.sampling)
-    new = commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0]
-    return learn(state, new, 1)
+    return commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0], out.logits
 
 
 # ---- jitted programs (what the hosts compile) ----------------------------------------------------

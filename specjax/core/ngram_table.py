@@ -1,4 +1,5 @@
-"""A cross-request n-gram table on device: hashed n-gram -> the tokens that followed it.
+"""N-gram lookups on device: in a row's own context (`match`, prompt lookup), and in a
+cross-request table: hashed n-gram -> the tokens that followed it.
 
 Prompt lookup sees only a row's own text. Structured answers (configuration files, lists, code)
 repeat what earlier answers said, so the loop state can carry a fixed-size table that every
@@ -31,6 +32,7 @@ lossless with the one-hot rule, whatever the table holds (collisions and evictio
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
+from specjax.core.shared import Observed
 
 _MULT = np.uint32(0x9E3779B1)  # Knuth's multiplicative constant (golden ratio * 2^32)
 _SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over the slots
@@ -45,8 +48,11 @@ _SALT = np.uint32(0x85EBCA6B)  # murmur3's mixing constant: spreads tenants over
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableConfig:
-    """Static shape of the table: slots, followers kept per n-gram, n-gram lengths."""
+    """Static shape of the table: slots, followers kept per n-gram, n-gram lengths. A
+    `specjax.core.shared.SharedSpec`: the batch's part named "ngram_table", written after every commit."""
 
+    name: ClassVar[str] = "ngram_table"
+    top_k: ClassVar[int] = 0  # it reads committed text only
     size: int = 1 << 16
     width: int = 8
     min_n: int = 2
@@ -63,6 +69,19 @@ class TableConfig:
     @property
     def nbytes(self) -> int:
         return self.size * (self.max_n + self.width + 1) * 4
+
+    def init(self) -> "NgramTable":
+        return NgramTable.empty(self)
+
+    def update(self, table: "NgramTable", seen: Observed) -> "NgramTable":
+        """Writes the n-grams whose followers this commit completed (see `add`)."""
+        take = seen.after.lengths - seen.before.lengths
+        return add(table, seen.after.tokens, seen.before.lengths, take, seen.width, seen.contribute, seen.tenant)
+
+    def merge(self, other: "TableConfig") -> "TableConfig":
+        """One table for both: the larger size and width, the wider range of n."""
+        return TableConfig(size=max(self.size, other.size), width=max(self.width, other.width),
+                           min_n=min(self.min_n, other.min_n), max_n=max(self.max_n, other.max_n))
 
 
 @struct.dataclass
@@ -163,5 +182,35 @@ def lookup(table: NgramTable, tokens: Int[Array, "B S"], lengths: Int[Array, "B"
         hit = jnp.all(table.keys[slot] == _padded(grams, n), axis=-1) & (lengths >= n) & ~found
         hit &= owners[slot] == tenant
         draft = jnp.where(hit[:, None], table.follow[slot, :k], draft)
+        found |= hit
+    return draft, found
+
+
+def match(tokens: Int[Array, "B S"], lengths: Int[Array, "B"], k: int, min_n: int, max_n: int):
+    """(drafts [B, k], found [B]): prompt lookup in each row's own committed tokens.
+
+    For n from `max_n` down to `min_n`, the most recent earlier occurrence of the row's last n
+    tokens; its k followers (clamped to the committed text, so every draft is a committed token).
+    The first n with a match wins; without one a row proposes its last token k times.
+    """
+    b, s = tokens.shape
+    rows = jnp.arange(b)[:, None]
+    last = jnp.take_along_axis(tokens, lengths[:, None] - 1, axis=1)
+    draft = jnp.broadcast_to(last, (b, k))
+    found = jnp.zeros((b,), bool)
+    for n in range(max_n, min_n - 1, -1):
+        m = s - n + 1  # candidate starts i = 0 .. s-n
+        suffix = jnp.take_along_axis(tokens, jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0), axis=1)
+        hit_at = jnp.ones((b, m), bool)
+        for j in range(n):
+            hit_at &= tokens[:, j: j + m] == suffix[:, j: j + 1]
+        i = jnp.arange(m)[None, :]
+        # an earlier occurrence: it must end before the suffix itself starts repeating it
+        hit_at &= (i + n <= lengths[:, None] - 1) & (lengths[:, None] >= n)
+        best = jnp.max(jnp.where(hit_at, i, -1), axis=1)
+        hit = (best >= 0) & ~found
+        cols = jnp.minimum(best[:, None] + n + jnp.arange(k)[None, :], lengths[:, None] - 1)
+        cand = tokens[rows, jnp.maximum(cols, 0)]
+        draft = jnp.where(hit[:, None], cand, draft)
         found |= hit
     return draft, found

@@ -8,6 +8,7 @@ from jaxtyping import Array
 
 from specjax.core import tree
 from specjax.core.sampling import Sampling
+from specjax.core.shared import SharedSpec
 from specjax.core.state import DecodeState
 
 
@@ -21,6 +22,9 @@ class Proposer(Protocol):
       topology: its verify window: a static `tree.Topology` (a chain of k, or a fixed candidate
         tree), or a `tree.DynamicTopology` (the node budget of a tree it builds each step).
       taps: target layers whose input it reads (an EAGLE-3 head's fused features); () for none.
+      shared: the batch-shared state it reads (`specjax.core.shared.SharedSpec`s: the cross-request
+        n-gram table, token recycling's matrix), in `state.shared.parts[spec.name]`; () for none.
+        The Decoder carries and updates them.
 
     `propose` returns (drafts, q, pstate): drafts are tokens `[B, N]` on the nodes of a static
     topology, or a `tree.DraftTree` for a dynamic one; q is the `[B, N, V]` distribution they were
@@ -35,6 +39,9 @@ class Proposer(Protocol):
     @property
     def taps(self) -> tuple[int, ...]: ...
 
+    @property
+    def shared(self) -> tuple[SharedSpec, ...]: ...
+
     def init(self, params: Any, state: DecodeState, inputs: Any, hidden: Array) -> Any: ...
 
     def propose(self, params: Any, pstate: Any, state: DecodeState, sampling_config: Sampling,
@@ -46,7 +53,7 @@ class Proposer(Protocol):
 
 class Chain:
     """Mixin: the proposer drafts a static tree given by `paths`, by default a chain of `k` tokens,
-    and reads no tapped layers."""
+    and reads no tapped layers and no batch-shared state."""
 
     @property
     def paths(self) -> tree.Tree:
@@ -58,6 +65,10 @@ class Chain:
 
     @property
     def taps(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def shared(self) -> tuple[SharedSpec, ...]:
         return ()
 
 

@@ -64,7 +64,7 @@ class Slots:
     """The static description of a batch's slot operations (hashable: a static jit argument).
 
     Attributes:
-      base: the plain decoder: the shared decode state (cache length, sampling, n-gram table).
+      base: the plain decoder: the shared decode state (cache length, sampling, shared method state).
       decoders: one decoder per speculative option, in the order of the proposer states (each with
         the base's cache length).
     """
@@ -90,10 +90,12 @@ class Slots:
         """The mesh every option's decoder runs on (None: one device)."""
         return self.base.mesh
 
-    def prefill(self, model: Transformer, pparams: tuple, inputs: Inputs) -> tuple[DecodeState, tuple]:
+    def prefill(self, model: Transformer, pparams: tuple, inputs: Inputs,
+                parts: dict | None = None) -> tuple[DecodeState, tuple]:
         """Prefills the rows once for every option: the shared decode state, and each option's
-        proposer state from the same target pass."""
-        state, hidden = self.base.prefill_target(model, inputs, window=self.window)
+        proposer state from the same target pass. `parts`: the batch-shared method state the
+        prompts are shown to (None: empty)."""
+        state, hidden = self.base.prefill_target(model, inputs, parts, window=self.window)
         pstates = tuple(d.init_proposer(pp, state, inputs, hidden) for d, pp in zip(self.decoders, pparams))
         return self._pinned((state, pstates))
 
@@ -104,10 +106,12 @@ class Slots:
     def insert(self, model: Transformer, pparams: tuple, state: DecodeState, pstates: tuple,
                slot: Int[Array, ""], inputs: Inputs) -> tuple[DecodeState, tuple]:
         """Prefills one request (a batch of one at the batch's cache length) into row `slot`; the
-        other rows, the batch's step counter and the shared n-gram table do not change."""
-        row, new = self.prefill(model, pparams, inputs)
-        out = insert_row(state, row, slot), tuple(insert_row(ps, n, slot) for ps, n in zip(pstates, new))
-        return self._pinned(out)
+        other rows and the batch's step counter do not change, and the batch-shared method state
+        (the n-gram table, token recycling's matrix) sees the request's prompt."""
+        row, new = self.prefill(model, pparams, inputs, parts=state.shared.parts)
+        state = insert_row(state, row, slot)
+        state = state.replace(shared=state.shared.replace(parts=row.shared.parts))
+        return self._pinned((state, tuple(insert_row(ps, n, slot) for ps, n in zip(pstates, new))))
 
     def release(self, state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
         """Marks row `slot` done (a cancelled request): the loop spends no more steps on it."""
@@ -123,14 +127,14 @@ class Slots:
         return self._pinned((state.replace(done=state.done.at[src].set(True)), pstates))
 
     def take(self, state: DecodeState, pstate: Any, size: int) -> tuple[DecodeState, Any]:
-        """The first `size` rows of the state and of one option's proposer state (the shared
-        n-gram table: the `Shared` part whole)."""
+        """The first `size` rows of the state and of one option's proposer state (the batch's
+        `Shared` part whole)."""
         head = lambda tree: rows_map(lambda x: x[:size], tree)
         return self._pinned((head(state), head(pstate)))
 
     def put(self, state: DecodeState, pstate: Any, sub: DecodeState, sub_pstate: Any) -> tuple[DecodeState, Any]:
         """Writes a chunk run on the first rows (`take`) back into the batch, with the steps it ran
-        and the n-gram table it updated."""
+        and the shared method state it updated."""
         put = lambda big, small: big.at[: small.shape[0]].set(small)
         state = rows_map(put, state, sub, shared_from=1)
         return self._pinned((state, rows_map(put, pstate, sub_pstate)))
@@ -247,8 +251,6 @@ class RunningBatch:
         self._move = (self._compile(move_program, self.state, self.pstates, np.int32(0), np.int32(0),
                                     weights=False, slots=slots) if len(self.sizes) > 1 else None)
         self._inserts: dict[int, tuple[Any, Inputs]] = {}
-        # a request's prefill needs no n-gram table of its own: insert keeps the batch's
-        self._insert_slots = dataclasses.replace(slots, base=dataclasses.replace(slots.base, ngram_table=None))
         self._takes, self._puts, self._loops = {}, {}, {}
         stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), jnp.int32), self.mesh)
         for size in self.sizes:
@@ -293,7 +295,7 @@ class RunningBatch:
         return jax.tree.map(sharding.put, tree, sharding.carry_shardings(tree, self.mesh))
 
     def _zero_stats(self, o: int | None, size: int) -> Stats:
-        return self.place(Stats.zeros(size, self.decoder(o).depth))
+        return self.place(Stats.zeros(size, self.decoder(o).depth, self.decoder(o).nodes))
 
     def _compile(self, fn, *args, static=None, **statics):
         prog, seconds = self._compiler(fn, static, *args, **statics)
@@ -309,7 +311,7 @@ class RunningBatch:
         return view
 
     def reset(self) -> HostView:
-        """An empty batch: every row a placeholder, done (the n-gram table starts empty)."""
+        """An empty batch: every row a placeholder, done (the shared method state starts empty)."""
         self.state, self.pstates = self._prefill(self.params, self.pparams, self._empty)
         return self.read()
 
@@ -328,7 +330,7 @@ class RunningBatch:
         if bucket not in self._inserts:
             inputs = self.place(inputs)
             prog = self._compile(insert_program, self.pparams, self.state, self.pstates, np.int32(0), inputs,
-                                 slots=self._insert_slots)
+                                 slots=self.slots)
             self._inserts[bucket] = (prog, inputs)
         return self._inserts[bucket][0]
 
@@ -346,7 +348,7 @@ class RunningBatch:
 
     def warm_inserts(self) -> None:
         """Runs each compiled insert once into row 0 with the placeholder it was compiled on (done at
-        once with max_new_tokens 1, contributing nothing to the n-gram table): first-run costs
+        once with max_new_tokens 1, contributing nothing to shared method state): first-run costs
         (allocation, caches) stay out of the first requests. Call it on an empty batch."""
         for bucket in self.insert_buckets:
             self.insert(0, self._inserts[bucket][1])

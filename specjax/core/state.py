@@ -5,8 +5,10 @@ cache holds K/V for positions `< lengths[b] - 1`. The last committed token is fe
 step, at position `lengths[b] - 1`, alone (plain) or followed by K drafts (speculative).
 
 A `DecodeState` is per-row arrays (batch-leading) plus one `Shared` part that belongs to the batch:
-its step counter and the cross-request n-gram table. Slot operations (`rows_map`, `insert_row`)
-move rows and never touch the shared part; a step updates it (`learn`) after its commit.
+its step counter and the methods' batch-shared state (`specjax.core.shared`: the cross-request
+n-gram table, token recycling's matrix), which persists across the requests a running batch serves.
+Slot operations (`rows_map`, `insert_row`) move rows and never slice the shared part; the Decoder
+updates it after every commit (`specjax.core.shared.update`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Int, Key
 
-from specjax.core import ngram_table
 from specjax.core import tree
 from specjax.models.kv_cache import KVCache
-from specjax.core.ngram_table import NgramTable
+from specjax.core.ngram_table import NgramTable, TableConfig
 from specjax.core.sampling import SamplingParams
 
 # A state's arrays: on device, or their numpy copies in a host view (`engine.Batch.view`).
@@ -29,10 +30,10 @@ AnyArray = Array | np.ndarray
 
 @struct.dataclass
 class Shared:
-    """What the rows of a batch share: the batch's step counter and the cross-request n-gram table."""
+    """What the rows of a batch share: the batch's step counter and each method's shared state."""
 
     forwards: Int[AnyArray, ""]  # target forward passes after prefill (loop control)
-    table: NgramTable | None = None  # written by every row's commits (`learn`), read by prompt lookup
+    parts: dict = struct.field(default_factory=dict)  # name -> arrays of a `specjax.core.shared.SharedSpec`
 
 
 @struct.dataclass
@@ -47,9 +48,9 @@ class DecodeState:
     stop_ids: Int[AnyArray, "B E"]  # per-row stop tokens, padded with -1
     keys: Key[Array, "B"] | None  # PRNG keys, one stream per row
     row_forwards: Int[AnyArray, "B"]  # target forwards while each row was still active
-    shared: Shared  # the batch's part: step counter and n-gram table
-    contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter the table (None: all)
-    tenant: Int[AnyArray, "B"] | None = None  # each row's scope of the table (None: tenant 0)
+    shared: Shared  # the batch's part: step counter and the methods' shared state
+    contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter shared state (None: all)
+    tenant: Int[AnyArray, "B"] | None = None  # each row's scope of shared state (None: tenant 0)
 
     @property
     def forwards(self) -> Int[AnyArray, ""]:
@@ -57,7 +58,8 @@ class DecodeState:
 
     @property
     def table(self) -> NgramTable | None:
-        return self.shared.table
+        """The cross-request n-gram table, when the batch carries one."""
+        return self.shared.parts.get(TableConfig.name)
 
     @property
     def num_new(self) -> Int[AnyArray, "B"]:
@@ -119,19 +121,6 @@ def commit(
     return state.replace(tokens=tokens, lengths=lengths, done=done), take
 
 
-def learn(before: DecodeState, after: DecodeState, width: int) -> DecodeState:
-    """`after` with the shared n-gram table updated by what each row committed since `before` (at
-    most `width` tokens a row), each row in its tenant's scope and only where it may contribute.
-    A step calls it after its commit; the batch's counter `forwards` counts the step."""
-    table = after.shared.table
-    if table is None:
-        return after
-    contribute = jnp.ones_like(after.done) if after.contribute is None else after.contribute
-    take = after.lengths - before.lengths
-    table = ngram_table.add(table, after.tokens, before.lengths, take, width, contribute, after.tenant)
-    return after.replace(shared=after.shared.replace(table=table))
-
-
 def tick(state: DecodeState) -> DecodeState:
     """Counts one target forward: the batch's, and each still-active row's."""
     return state.replace(shared=state.shared.replace(forwards=state.shared.forwards + 1),
@@ -174,7 +163,7 @@ def rows_map(fn, batch, *others, shared_from: int = 0):
 def insert_row(batch, row, slot: Int[Array, ""]):
     """Row `slot` of every batch-leading leaf of `batch` takes row 0 of the same leaf of `row`.
 
-    The batch's `Shared` part (step counter, n-gram table) is kept. This is
+    The batch's `Shared` part (step counter, shared method state) is kept. This is
     what continuous batching needs: a request prefilled alone is scattered into a running batch;
     other rows do not move.
     """

@@ -9,6 +9,9 @@ arrays (draft weights, caches) travel separately as `params` (built with it by i
   its tree each step (the EAGLE-2 dynamic tree), a `tree.DynamicTopology` (its node budget), and
   then `propose` returns a `tree.DraftTree`.
 - `taps`: target layers whose input it reads (an EAGLE-3 head); () for none.
+- `shared`: the batch-shared state it reads (`specjax.core.shared.SharedSpec`s: the cross-request
+  n-gram table, token recycling's matrix); the Decoder carries them and updates them after every
+  commit; () for none.
 - `init(params, state, inputs, hidden) -> pstate`: after the target prefill (inside jit), with the
   target's final hidden states at every prompt position `[B, P, D]`.
 - `propose(params, pstate, state, sampling_config, keys) -> (nodes [B, K], q, pstate)`: q is the
@@ -27,7 +30,10 @@ from specjax.core.proposer import Proposer
 from specjax.methods.draft.proposer import DraftModelProposer
 from specjax.methods.eagle.proposer import EagleParams, EagleProposer
 from specjax.methods.medusa.proposer import MedusaParams, MedusaProposer
+from specjax.methods.ngram.options import NgramOptions
 from specjax.methods.ngram.proposer import NgramProposer
+from specjax.methods.recycle.options import RecycleOptions
+from specjax.methods.recycle.proposer import RecycleProposer
 
-__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "MedusaProposer", "MedusaParams",
-           "EagleProposer", "EagleParams"]
+__all__ = ["Proposer", "NgramProposer", "NgramOptions", "DraftModelProposer", "MedusaProposer", "MedusaParams",
+           "EagleProposer", "EagleParams", "RecycleProposer", "RecycleOptions"]

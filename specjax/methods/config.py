@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from specjax.core.ngram_table import TableConfig
+from typing import Any
+
 from specjax.methods import registry
 from specjax.core.tree import HEADS_TREE, MAX_TREE_NODES, TREES, Tree, chain, validate_tree  # noqa: F401 (re-exported)
 from specjax.core.tree import parse_tree  # noqa: F401 (re-exported)
@@ -25,13 +26,10 @@ class SpecConfig:
         head), which checks the options that belong to it.
       k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
         For medusa chains, k <= the number of heads.
-      ngram_min, ngram_max: n-gram lengths tried by prompt lookup, longest first.
-      ngram_table: prompt lookup only: slots of a cross-request n-gram table in the loop state
-        (`specjax.core.ngram_table`; 0 = off), consulted when a row's own context has no match. The
-        Engine starts each batch with an empty table; the Scheduler keeps one across requests.
-      tree: medusa only; a static candidate tree (paths of per-head top-k ranks, parents
-        first), the name of one in `TREES`, or "heads" for the tree tuned for the loaded heads
-        (resolved by the Engine). None = a chain of k heads' top-1.
+      tree: a static candidate tree (paths of top-k ranks, parents first), for the methods that
+        draft one (medusa: per-head ranks; recycle: ranks in its matrix's rows): paths, the name of
+        one in `TREES`, or "heads" for the tree tuned for the loaded Medusa heads (resolved by the
+        Engine). None = a chain of k.
       nodes: eagle only: drafted nodes of the dynamic tree built each step (EAGLE-2), `k` its
         depth; 0 drafts a chain of k.
       topk: eagle trees: children per expanded node and frontier width.
@@ -40,6 +38,9 @@ class SpecConfig:
       typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
         the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
         distribution.
+      options: the method's own options, the dataclass its record names (`Record.option_type`:
+        `NgramOptions` for ngram, `RecycleOptions` for recycle); None takes its defaults (filled in
+        here). `SpecConfig.make(method, **fields)` builds one from keywords.
 
     As an option of the auto controller (`specjax.serving.controller`), a spec is named by its `label`
     ("none", "ngram:4", "medusa-tree:3", "eagle-tree:4"), keeps its acceptance statistics under its
@@ -48,16 +49,40 @@ class SpecConfig:
 
     method: str = "none"
     k: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 3
-    ngram_table: int = 0
     tree: Tree | str | None = None
     nodes: int = 0
     topk: int = 4
     draft_vocab: int = 0
     typical: tuple[float, float] | None = None
+    options: Any = None
+
+    @classmethod
+    def make(cls, method: str = "none", **fields) -> "SpecConfig":
+        """A spec from keywords: `SpecConfig` fields, and the fields of the method's own options
+        (`SpecConfig.make("ngram", k=4, ngram_table=4096)`). A keyword given as None keeps its
+        default (as an unset command-line flag); one that is another method's option is refused."""
+        mine = {f.name for f in dataclasses.fields(cls)}
+        spec_kw = {k: v for k, v in fields.items() if k in mine and v is not None}
+        rest = {k: v for k, v in fields.items() if k not in mine and v is not None}
+        kind = None if method == "none" else registry.record(method).option_type
+        names = set() if kind is None else {f.name for f in dataclasses.fields(kind)}
+        for k in rest:
+            if k not in names:
+                owners = registry.option_owners(k)
+                if not owners:
+                    raise ValueError(f"unknown option {k}=: give a SpecConfig field or an option of method "
+                                     f"{method!r}")
+                raise ValueError(f"{k}= applies to method {' or '.join(map(repr, owners))} only")
+        if rest:
+            spec_kw["options"] = dataclasses.replace(spec_kw.get("options") or kind(), **rest)
+        return cls(method=method, **spec_kw)
+
+    def with_options(self, **fields) -> "SpecConfig":
+        """This spec with some of its method's own options replaced."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **fields))
 
     def __post_init__(self):
+        object.__setattr__(self, "options", registry.options_of(self))  # its defaults when None
         registry.check(self)  # the method exists; its own options belong to it and hold
         for name in ("nodes", "draft_vocab"):
             v = getattr(self, name)
@@ -89,15 +114,6 @@ class SpecConfig:
             return
         if int(self.k) != self.k or not 1 <= self.k <= MAX_K:
             raise ValueError(f"k={self.k}: must be an integer in [1, {MAX_K}]")
-        if int(self.ngram_table) != self.ngram_table or self.ngram_table < 0:
-            raise ValueError(f"ngram_table={self.ngram_table}: give the table's slots (>= 1), or 0 for none")
-
-    def table_config(self, width: int | None = None):
-        """The n-gram table this spec asks for (None when off); `width` >= k followers per entry."""
-        if not self.ngram_table:
-            return None
-        lo = min(max(2, self.ngram_min), self.ngram_max)  # 1-grams across requests are mostly noise
-        return TableConfig(size=self.ngram_table, width=max(self.k, width or 0), min_n=lo, max_n=self.ngram_max)
 
     @property
     def is_tree(self) -> bool:

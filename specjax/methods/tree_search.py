@@ -68,3 +68,31 @@ def choose_tree(acc: np.ndarray, costs: dict[int, float], max_nodes: int = 32) -
         if speed > best_speed:
             best, best_speed = tree, speed
     return best, best_speed
+
+
+def subtree(paths: Tree, p, n: int) -> Tree:
+    """The `n` nodes of `paths` most often accepted (`p[i]`: how often node i was kept per step),
+    listed in `paths`' order. A node is kept only with its parent, so its rate never exceeds its
+    parent's and the nodes chosen form a tree (ties go to the shallower node)."""
+    order = sorted(range(len(paths)), key=lambda i: (-p[i], len(paths[i]), i))
+    keep = sorted(order[:n])
+    return tuple(paths[i] for i in keep)
+
+
+def choose_subtree(paths: Tree, p, costs: dict[int, float], sizes) -> tuple[Tree, float, dict[int, dict]]:
+    """Of the best subtree of each size in `sizes` (`subtree`), the one with the best expected speed
+    tau / cost(window), tau = 1 + the kept rates of its nodes (measured, not modelled: a node's
+    drafts do not depend on the other nodes of the tree). Returns (tree, its speed, every size's
+    tau and speed)."""
+    grid = np.array(sorted(costs))
+    vals = np.array([costs[s] for s in grid])
+    rate = dict(zip(paths, p))
+    table, best, best_speed = {}, None, 0.0
+    for n in sizes:
+        tree = subtree(paths, p, n)
+        tau = 1.0 + sum(rate[x] for x in tree)
+        speed = tau / float(np.interp(n + 1, grid, vals))
+        table[n] = dict(tau=round(tau, 4), speed=round(speed, 4))
+        if speed > best_speed:
+            best, best_speed = tree, speed
+    return best, best_speed, table

@@ -63,7 +63,7 @@ class ControllerConfig:
     Attributes:
       ks: the compiled speculation lengths to choose from; 0 is the plain loop (always included).
       methods: proposers the controller may use with each K > 0, as `SpecConfig(method=m, k=K)` (default: prompt lookup alone,
-        the methods that look their context up, `registry.looks_up`); stateful ones (a draft
+        the methods the scheduler can replay on the host, `registry.looks_up`); stateful ones (a draft
         model's cache) go stale across plain chunks.
       margin: speculate only when the expected gain is at least 1 + margin.
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).

@@ -158,7 +158,7 @@ class Engine:
         self.buckets = tuple(b for b in sorted(buckets) if b <= self.config.max_seq_len) or (
             self.config.max_seq_len,)
         self.graphdef, self.params = nnx.split(model)
-        self.assets = registry.Assets(target=model)
+        self.assets = registry.Assets(target=model, name=name, weights_id=weights_id)
         self._compiled: dict[tuple, object] = {}
         self.compile_count = 0
         self.compile_rss_bytes = 0  # what compiling `programs()` added to the process's resident set
@@ -230,6 +230,19 @@ class Engine:
     def eagle(self) -> "registry.LoadedEagle | None":
         return self.assets.eagle
 
+    def load_asset(self, method: str, path: str = "default") -> None:
+        """Loads `method`'s asset from `path` ("default": the one shipped for this model) through its
+        record (`Record.load`)."""
+        rec = registry.record(method)
+        if rec.load is None:
+            raise ValueError(f"method {method!r} loads no asset of its own")
+        rec.load(self, path)
+
+    def set_asset(self, method: str, asset) -> None:
+        """Sets `method`'s own asset (what its record's `build` reads from `Assets.methods`)."""
+        registry.record(method)
+        self.assets.methods[method] = asset
+
     # ---- assets: what proposers are built from ----------------------------------------------
     @property
     def draft(self) -> nnx.Module | None:
@@ -300,7 +313,7 @@ class Engine:
         if fields is None:
             raise ValueError(f"method {method!r} has no tuned settings: give its options")
         fields.update({k: v for k, v in overrides.items() if v is not None})
-        return SpecConfig(method=method, **fields)
+        return SpecConfig.make(method, **fields)
 
     # ---- decoders ------------------------------------------------------------------------------
     def proposer(self, spec: SpecConfig):
@@ -321,8 +334,7 @@ class Engine:
             window = 1 if proposer is None else window_of(proposer)
             cache_length = core.cache_length(prompt_bucket, max_new_tokens, max(window, headroom))
         dec = Decoder(cache_length=cache_length, proposer=proposer, sampling=sampling,
-                      acceptance=registry.acceptance_rule(spec) if proposer is not None else None,
-                      ngram_table=spec.table_config(), mesh=self.mesh)
+                      acceptance=registry.acceptance_rule(spec) if proposer is not None else None, mesh=self.mesh)
         return dec, pparams
 
     # ---- input handling ------------------------------------------------------------------------
@@ -509,7 +521,7 @@ class Batch:
         back once per state through one replicated view (`specjax.sharding.host_view`)."""
         if self._view is None or self._view[0] is not self.state:
             s = self.state.decode
-            keep = s.replace(cache=None, keys=None, shared=s.shared.replace(table=None), sampling=None,
+            keep = s.replace(cache=None, keys=None, shared=s.shared.replace(parts={}), sampling=None,
                              contribute=None)
             self._view = (self.state, sharding.host_view((keep, self.state.stats), self.engine.mesh))
         return self._view[1]

@@ -42,7 +42,7 @@ import collections
 import dataclasses
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -56,12 +56,12 @@ from specjax.core.slots import RunningBatch, Slots
 from specjax.core.state import DecodeState
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.methods import registry
-from specjax.methods.ngram.proposer import HostLookup, replay
+from specjax.methods.ngram.proposer import replay
+from specjax.core import shared as shared_state
+from specjax.core.ngram_table import TableConfig
 from specjax.serving.requests import (Request, RowSnapshot, SchedulerSnapshot, Status,  # noqa: F401 (re-exported)
                                       _placeholder_request, poisson_arrivals)
 from specjax.telemetry import StopReason
-
-NGRAM_TABLE_SLOTS = 1 << 16  # 65536 n-grams: 2.9 MB at width 8 and n <= 3
 
 
 class Scheduler:
@@ -85,9 +85,11 @@ class Scheduler:
         for a small batch, and "auto" compares options at the cost measured for that size: a verify
         step that is cheap at batch 1 may cost several plain steps at batch 16.
       ngram_table: slots of the cross-request n-gram table that every committed token of every
-        request updates and prompt lookup consults (`specjax.core.ngram_table`); it lives in the batch
-        state, so every option's chunks (plain included) feed it, and slot refills keep it. None:
-        `NGRAM_TABLE_SLOTS` when prompt lookup is among the options, else none; 0: none.
+        request updates and prompt lookup consults (`specjax.core.ngram_table`). Every option runs as
+        its record serves it (`registry.serving`: prompt lookup turns its table on); the options'
+        batch-shared state (`Proposer.shared`: the n-gram table, token recycling's matrix) lives in
+        the batch state, so every option's chunks (plain included) feed it, and slot refills keep
+        it. None: each method's serving default; 0: no n-gram table.
       with_plain: with a fixed speculative `spec`, also compile the plain loop, so that a request
         may opt out of speculation (auto always has it).
       history: keep only the last `history` requests in `requests` and chunks in `chunk_log`
@@ -129,17 +131,15 @@ class Scheduler:
             self.specs = {} if spec.method == "none" else {spec: spec}
         self.options: tuple[SpecConfig, ...] = ((PLAIN,) if self.ccfg or not self.specs or with_plain else ()) + tuple(self.specs)
         self.fixed: SpecConfig = next(iter(self.specs), PLAIN)  # a fixed spec's option
+        served = {o: registry.serving(s, ngram_table) for o, s in self.specs.items()}
+        if ngram_table and served == self.specs:
+            raise ValueError("ngram_table needs prompt lookup among the options (spec ngram or auto)")
+        self.specs = served
         # built once (raises before compiling: heads missing, k too large, ...)
         self._built = {o: engine.proposer(s) for o, s in self.specs.items()}
-        lookups = [s for s in self.specs.values() if registry.looks_up(s.method)]
-        if ngram_table is None:
-            ngram_table = NGRAM_TABLE_SLOTS if lookups else 0
-        self.table = None
-        if ngram_table:
-            if not lookups:
-                raise ValueError("ngram_table needs prompt lookup among the options (spec ngram or auto)")
-            widest = max(lookups, key=lambda s: s.k)
-            self.table = dataclasses.replace(widest, ngram_table=int(ngram_table)).table_config()
+        # every option's batch-shared state, one part per name: each option's program carries all
+        self.shared = shared_state.union(x for p, _ in self._built.values() if p is not None for x in p.shared)
+        self.table = next((x for x in self.shared if x.name == TableConfig.name), None)
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         if history is not None and (int(history) != history or history < 1):
@@ -159,7 +159,7 @@ class Scheduler:
         lookups = [s for o, s in self.specs.items() if registry.looks_up(s.method)]
         self._replay_spec = (max(lookups, key=lambda s: s.k)
                              if self.ccfg is not None and self.ccfg.replay_ngram and lookups else None)
-        self._lookups: dict[int, HostLookup] = {}
+        self._lookups: dict[int, Any] = {}  # request id -> its host replay (`registry.host_replay`)
         self._t0 = None
         if costs is not None and (self.ccfg is None or set(costs) != set(self.sizes)):
             raise ValueError(f"costs for batch sizes {sorted(costs)}: give them to an 'auto' scheduler with "
@@ -254,7 +254,7 @@ class Scheduler:
     def reset_batch(self, error: str) -> list[Request]:
         """After an error inside a chunk (the device's, or the host's while it read the chunk): fails
         every running request with `error` and starts a fresh, empty batch (the donated state may be
-        gone; the n-gram table starts empty). Queued requests stay queued. Returns the failed ones."""
+        gone; the shared method state starts empty). Queued requests stay queued. Returns the failed ones."""
         waiting = {r.id for r in self.queue}
         failed = [r for r in self.live.values() if r.id not in waiting]  # running, or mid-admission
         for r in failed:
@@ -287,10 +287,10 @@ class Scheduler:
                                               max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [cache_length(self.bucket, self.opts.max_new_tokens, 1)])
-        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, ngram_table=self.table)
+        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, shared=self.shared)
                          for o, (d, _) in built.items()}
         mesh = self.engine.mesh
-        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, ngram_table=self.table,
+        self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, shared=self.shared,
                                        mesh=mesh)
         self._key = {PLAIN: None, **{o: i for i, o in enumerate(self.specs)}}  # the batch's name of an option
         ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
@@ -467,8 +467,7 @@ class Scheduler:
         if self.controller is not None:
             self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
         if self._replay_spec is not None:
-            r = self._replay_spec
-            self._lookups[req.id] = HostLookup(req.ids + req.tokens, k=r.k, min_n=r.ngram_min, max_n=r.ngram_max)
+            self._lookups[req.id] = registry.host_replay(self._replay_spec, req.ids + req.tokens)
         if view.done[slot]:
             self._finish(req, t, 0)
 
@@ -566,8 +565,8 @@ class Scheduler:
         weights, the draft weights (its options' proposer params; what the target also holds, as
         Medusa's LM head, counts as weights), the caches (the batch state and the proposers' states,
         the batch-shared state apart), then each batch-shared state by name."""
-        shared = {"ngram_table": self.batch.state.table}
-        state = self.batch.state.replace(shared=self.batch.state.shared.replace(table=None))
+        shared = dict(self.batch.state.shared.parts)
+        state = self.batch.state.replace(shared=self.batch.state.shared.replace(parts={}))
         return dict(weights=self.engine.params, draft_weights=self.batch.pparams,
                     caches=(state, self.batch.pstates), **shared)
 

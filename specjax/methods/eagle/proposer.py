@@ -132,6 +132,10 @@ class EagleProposer:
         return self.config.feature_layers
 
     @property
+    def shared(self) -> tuple:
+        return ()  # no batch-shared state
+
+    @property
     def scratch(self) -> int:
         """Head cache slots past the positions, for the tree's frontier entries."""
         return self.topk * (self.k - 1) if self.nodes else 0

@@ -145,6 +145,10 @@ class MedusaProposer:
     def taps(self) -> tuple[int, ...]:
         return ()  # the heads read the target's final hidden state
 
+    @property
+    def shared(self) -> tuple:
+        return ()  # no batch-shared state
+
     def init(self, params: MedusaParams, state: DecodeState, inputs, hidden: Float[Array, "B P D"]):
         """The hidden state at each row's last prompt token."""
         return jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)[:, 0]

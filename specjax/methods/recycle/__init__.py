@@ -1,0 +1,1 @@
+"""Token recycling (`proposer`, `matrix`, `options`, `assets`)."""

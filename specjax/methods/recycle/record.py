@@ -1,0 +1,148 @@
+"""What token recycling's registry record does: build the proposer from a spec, check the spec, serve
+it, and give its tuned templates (`specjax.methods.registry`)."""
+
+from __future__ import annotations
+
+from specjax.core import tree as tree_lib
+from specjax.core.ngram_table import TableConfig
+from specjax.methods.recycle import assets as recycle_assets
+from specjax.methods.recycle.matrix import RecycleParams, RecycleSpec
+from specjax.methods.recycle.options import WARM_COLD, WARM_DEFAULT, RecycleOptions
+from specjax.methods.recycle.proposer import Levels, RecycleProposer
+
+METHOD = "recycle"
+SERVING_TABLE = 1 << 16  # the spine's cross-request n-gram table in a long-running host
+# the tree before any tuning (16 nodes): ranks thin out with depth, the spine deepest
+DEFAULT_TREE: tree_lib.Tree = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0))
+
+
+shipped_dir = recycle_assets.shipped_dir
+
+
+def template_of(spec) -> tree_lib.Tree:
+    """The spec's draft tree: its `tree` (a name or paths), or a chain of k."""
+    t = spec.tree
+    if t is None:
+        return tree_lib.chain(spec.k)
+    if isinstance(t, str):
+        if t not in tree_lib.TREES:
+            raise ValueError(f"tree={t!r}: recycle takes a named tree ({', '.join(tree_lib.TREES)}) or paths "
+                             "(tree='heads' is the tree tuned for Medusa heads)")
+        return tree_lib.TREES[t]
+    return tuple(tuple(int(r) for r in p) for p in t)
+
+
+def check(spec) -> None:
+    """The template is a valid tree whose ranks lie below the matrix's `recycle_k` candidates."""
+    o: RecycleOptions = spec.options
+    template = template_of(spec)
+    tree_lib.validate_tree(template)
+    top = max(p[-1] for p in template)
+    if top >= o.recycle_k:
+        raise ValueError(f"recycle template uses rank {top}, beyond the matrix's recycle_k={o.recycle_k} "
+                         f"candidates per token: give recycle_k >= {top + 1} or a narrower tree")
+
+
+def warm_params(assets, options: RecycleOptions) -> RecycleParams:
+    """The warm start `options.recycle_warm` names, for the target in `assets`."""
+    vocab, k = assets.target.config.vocab_size, options.recycle_k
+    where = options.recycle_warm
+    if where == WARM_COLD:
+        return RecycleParams.cold(vocab, k)
+    if where == WARM_DEFAULT:
+        loaded = assets.methods.get(METHOD)
+        if loaded is not None:
+            if loaded.k < k:
+                raise ValueError(f"the loaded warm start keeps {loaded.k} candidates per token; recycle_k={k} "
+                                 f"needs at least {k}")
+            return RecycleParams(first=loaded.first[:, :k], keys=loaded.keys, second=loaded.second[:, :k])
+        where = recycle_assets.shipped_dir(assets.name)
+        if where is None:
+            return RecycleParams.cold(vocab, k)
+    return recycle_assets.load(where, vocab=vocab, k=k, name=assets.name, weights_id=assets.weights_id)
+
+
+def build(spec, assets) -> tuple[RecycleProposer, RecycleParams]:
+    """(proposer, warm start) for `spec` on the target in `assets`."""
+    o: RecycleOptions = spec.options
+    template = template_of(spec)
+    rspec = RecycleSpec(vocab=assets.target.config.vocab_size, k=o.recycle_k, order=o.recycle_order,
+                        table=o.recycle_table, tenants=o.recycle_tenants)
+    spine = Levels.of(template).spine if o.recycle_spine else 0
+    table = None
+    if spine and o.recycle_ngram_table:
+        table = TableConfig(size=o.recycle_ngram_table, width=spine, min_n=max(2, o.recycle_spine),
+                            max_n=max(2, o.recycle_spine, o.recycle_spine_max))
+    proposer = RecycleProposer(k=max(len(p) for p in template), template=template, spec=rspec,
+                               spine=o.recycle_spine, spine_max=o.recycle_spine_max, table=table)
+    return proposer, warm_params(assets, o)
+
+
+def serving(spec, table: int | None):
+    """In a long-running host the spine also reads the cross-request n-gram table (`table` slots;
+    None: the spec's own, else `SERVING_TABLE`; 0: none)."""
+    if not spec.options.recycle_spine:
+        return spec
+    size = (spec.options.recycle_ngram_table or SERVING_TABLE) if table is None else int(table)
+    return spec.with_options(recycle_ngram_table=size)
+
+
+def _tuning(assets) -> dict:
+    """The tuning beside the loaded or shipped warm start ({} when none)."""
+    where = recycle_assets.shipped_dir(assets.name) if METHOD not in assets.methods else None
+    loaded = getattr(assets.methods.get(METHOD), "tuning", None)
+    return loaded or (recycle_assets.tuning(where) if where is not None else None) or {}
+
+
+def tuned(assets, tree: bool) -> dict:
+    """The template tuned on this machine (`tuning.json`, `python -m specjax.train_heads.recycle
+    tune`): the default (the fastest chain or tree of at most 16 nodes), or with `tree` the fastest
+    tree of any size; before any tuning, `DEFAULT_TREE`."""
+    t = _tuning(assets).get("tree" if tree else "default")
+    if not t:
+        return dict(tree=DEFAULT_TREE)
+    return dict(tree=tuple(tuple(p) for p in t["tree"])) if "tree" in t else dict(k=int(t["k"]))
+
+
+def auto(assets, ks, given) -> list[dict]:
+    """With a warm start (loaded or shipped): the tuned default and the fastest tree."""
+    if METHOD not in assets.methods and recycle_assets.shipped_dir(assets.name) is None:
+        return []
+    return list({repr(o): o for o in (dict(method=METHOD, **tuned(assets, t)) for t in (False, True))}.values())
+
+
+def load_into(engine, path: str) -> None:
+    """`Record.load`: the warm start at `path` into `engine` ("default": the one shipped for the model,
+    if any; else the matrix starts cold, as `recycle_warm="cold"`)."""
+    where = recycle_assets.shipped_dir(engine.name) if path == WARM_DEFAULT else path
+    if where is None:
+        return
+    man = recycle_assets.read(where)[0]
+    params = recycle_assets.load(where, vocab=engine.config.vocab_size, k=int(man["k"]), name=engine.name,
+                                 weights_id=engine.weights_id)
+    engine.set_asset(METHOD, WarmStart(params=params, tuning=recycle_assets.tuning(where), manifest=man))
+
+
+class WarmStart:
+    """A loaded warm start: its arrays (`RecycleParams`), its tuning and manifest."""
+
+    def __init__(self, params: RecycleParams, tuning: dict | None = None, manifest: dict | None = None):
+        self.params, self.tuning, self.manifest = params, tuning, dict(manifest or {})
+
+    @property
+    def k(self) -> int:
+        return self.params.k
+
+    @property
+    def first(self):
+        return self.params.first
+
+    @property
+    def keys(self):
+        return self.params.keys
+
+    @property
+    def second(self):
+        return self.params.second
