@@ -137,7 +137,7 @@ print(tok.decode(got[1], skip_special=True))""",
 
 
 NOTEBOOKS["acceptance_by_task"] = [
-"md:# Acceptance by task class and draft position\n\nHow many drafted tokens the target keeps depends on the text: prompt lookup pays where the answer copies the prompt (summarization, RAG), Medusa heads where the model's own continuation is predictable. This notebook runs the first prompt of each task class of the `tasks` set shipped with specjax (prompts written for it in the shape of Spec-Bench's six classes) with the plain loop and each method in `methods` (prompt lookup and the shipped Medusa heads; another method is one more entry there), and plots tau per task and acceptance per draft position. A handful of prompts gives rough figures; `specjax bench` measures properly.",
+"md:# Acceptance by task class and draft position\n\nHow many drafted tokens the target keeps depends on the text: prompt lookup pays where the answer copies the prompt (summarization, RAG), EAGLE's head and token recycling where the model's own continuation is predictable. Token recycling needs no training: it drafts from the target's own top-k predictions after each token, kept across requests (warm-started from a shipped matrix). This notebook runs the first prompt of each task class of the `tasks` set shipped with specjax (prompts written for it in the shape of Spec-Bench's six classes) with the plain loop and each method in `methods` (prompt lookup, token recycling and the shipped EAGLE head; another method is one more entry there, and `model` switches the target), and plots tau per task and acceptance per draft position. A handful of prompts gives rough figures; `specjax bench` measures properly.",
 """import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -148,14 +148,21 @@ from specjax.bench.prompts import read_prompts
 
 prompts = read_prompts("tasks", per_task=1)
 # two prompt buckets: the short prompts share one compiled program per method, the long ones another
-eng = Engine.load("smollm2-135m", heads="default", buckets=(128, 512))
-methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "medusa": SpecConfig(method="medusa", k=4)}
+model = "smollm2-135m"  # or "gemma3-270m" (a base model: chat=False below, and no shipped EAGLE head)
+chat = model != "gemma3-270m"
+eng = Engine.load(model, buckets=(128, 512))
+methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4)}
+# token recycling: its warm start and the template tuned on this machine, shipped for smollm2-135m
+methods["recycle"] = eng.tuned("recycle")
+if model == "smollm2-135m":  # the EAGLE head shipped for it, its tuned chain
+    eng.load_eagle("default")
+    methods["eagle"] = eng.tuned("eagle")
 speculative = [m for m in methods if m != "none"]
 [(p.task, len(p.text)) for p in prompts]""",
 """rows = []
 for p in prompts:
     for m, spec in methods.items():
-        r = eng.generate([p.text], chat=True, max_new_tokens=48, spec=spec)[0]
+        r = eng.generate([p.text], chat=chat, max_new_tokens=48, spec=spec)[0]
         rows.append(dict(task=p.task, method=m, tau=r.tau, counters=r.counters, tokens=r.tokens))
 base = {r["task"]: r["tokens"] for r in rows if r["method"] == "none"}
 assert all(r["tokens"] == base[r["task"]] for r in rows)  # greedy: every method is exact
@@ -173,7 +180,7 @@ ax.set_xticks(np.arange(len(tasks)) + w * (len(speculative) - 1) / 2, tasks, rot
 ax.set(ylabel="tau (tokens per target forward)")
 ax.legend()
 fig.savefig("tau_by_task.png", dpi=80, bbox_inches="tight")""",
-"md:## Acceptance per draft position\nThe rate at which draft j is kept given that drafts before it were: prompt lookup's first draft is the gamble (is there a match?), the rest usually follow; Medusa's heads lose accuracy with depth.",
+"md:## Acceptance per draft position\nThe rate at which draft j is kept given that drafts before it were: prompt lookup's first draft is the gamble (is there a match?), the rest usually follow; recycling and the EAGLE head lose accuracy with depth. (For a tree, position j is the depth of the accepted path.)",
 """fig, ax = plt.subplots(figsize=(6, 3.5))
 for m in speculative:
     c = telemetry.aggregate(r["counters"] for r in rows if r["method"] == m)

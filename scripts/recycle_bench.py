@@ -61,7 +61,7 @@ def arms(engine, names: list[str]) -> dict:
     return out
 
 
-def summary(rows: list[dict], specs: dict) -> list[dict]:
+def summary(rows: list[dict], specs: dict, windows: dict[str, int]) -> list[dict]:
     """Per (arm, class and "all"): tau, tok/s, speedup, step cost (decode s per forward over plain's),
     tau by position, per-node acceptance (kept per step), identity with plain."""
     from specjax import telemetry
@@ -69,7 +69,7 @@ def summary(rows: list[dict], specs: dict) -> list[dict]:
     tasks = ["all"] + sorted({str(r["task"]) for r in rows})
     base = {(r["rep"], r["id"]): r for r in rows if r["method"] == "none"}
     out = []
-    for m, spec in specs.items():
+    for m in specs:
         for t in tasks:
             sel = [r for r in rows if r["method"] == m and (t == "all" or str(r["task"]) == t)]
             ref = [base[(r["rep"], r["id"])] for r in sel]
@@ -79,7 +79,7 @@ def summary(rows: list[dict], specs: dict) -> list[dict]:
             c = telemetry.aggregate(r["counters"] for r in sel)
             steps = max(c.num_drafts, 1)
             out.append(dict(
-                arm=m, task=t, prompts=len(sel), window=spec.window,
+                arm=m, task=t, prompts=len(sel), window=windows[m],
                 tau=sum(r["new_tokens"] - 1 for r in sel) / max(1, sum(r["forwards"] for r in sel)),
                 tok_s=round(tok_s, 2), speedup=round(tok_s / ref_tok_s, 3), step_cost=round(step(sel) / step(ref), 3),
                 tau_by_position=[round(x / steps, 3) for x in c.accepted_tokens_per_pos],
@@ -123,7 +123,10 @@ def main(argv=None) -> int:
     for spec in specs.values():  # compile outside the timing
         engine.generate([prompts[0].text], chat=True, max_new_tokens=args.max_new_tokens, spec=spec)
     rows = offline.run(engine, prompts, specs, opts, chat=True, repeats=args.repeats, progress=False)
-    records = summary(rows, specs)
+    from specjax.core.decoder import window_of
+
+    windows = {m: 1 if s.method == "none" else window_of(engine.proposer(s)[0]) for m, s in specs.items()}
+    records = summary(rows, specs, windows)
     print(markdown(records))
     if args.json:
         with open(args.json, "w") as f:

@@ -120,7 +120,7 @@ def _with_table(state, fill, forwards=7):
     """The batch's shared part: step counter `forwards` and a table whose keys are all `fill`."""
     table = NgramTable.empty(TableConfig(size=4, width=2))
     table = table.replace(keys=jnp.full_like(table.keys, fill))
-    return state.replace(shared=Shared(forwards=jnp.asarray(forwards, jnp.int32), parts={"ngram": table}))
+    return state.replace(shared=Shared(forwards=jnp.asarray(forwards, jnp.int32), parts={TableConfig.name: table}))
 
 
 def test_rows_map_slices_rows_but_not_scalars_or_the_table():
