@@ -13,9 +13,10 @@ Dimension alphabet, the one meaning of each letter in `specjax`'s type hints and
     W verify window: the pending token and the drafts (K + 1), P prompt bucket, E stop ids per row,
     A accept depth: most drafts one step can keep (a chain's K, a tree's depth), R a kept path's
     window slots (A + 1), M the Medusa heads, Vd a draft vocabulary (a subset of V), Df an EAGLE
-    head's feature width (its taps side by side: a multiple of D), Z n-gram table slots, Ng n-gram
-    key length, Kf followers an n-gram table keeps per key, Sr a sliding-window layer's ring
-    entries (`specjax.models.kv_cache`).
+    head's feature width (its taps side by side: a multiple of D), Z table slots (an n-gram table's,
+    token recycling's second-order table's), Ng n-gram key length, Kf followers an n-gram table
+    keeps per key, Kt the target's top candidates kept per scored token (token recycling), Sr a
+    sliding-window layer's ring entries (`specjax.models.kv_cache`).
 Einsum subscripts are single letters: kv heads (Kv) are written C there, the output side of a
 square [D, D] weight O, and a vocabulary subset V; lowercase m, n, k are a plain matmul's rows,
 columns and contraction (`specjax.models.linear`), outside the alphabet.

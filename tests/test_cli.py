@@ -274,3 +274,20 @@ def test_the_cli_keeps_compiled_programs_under_the_specjax_cache(monkeypatch, tm
         for k, v in saved.items():
             jax.config.update(k, v)
         compilation_cache.reset_cache()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["warm-recycle", "--prompts-file", "tasks", "--out", "OUT", "--recycle-k", "33"], "--recycle-k"),
+    (["warm-recycle", "--prompts-file", "tasks", "--out", "OUT", "--per-task", "0"], "--per-task"),
+    (["tune-recycle", "NOWHERE", "--prompts-file", "tasks"], "no manifest.json"),
+])
+def test_recycle_commands_refuse_bad_flags_before_any_work(argv, match, monkeypatch, capsys, tmp_path):
+    """`warm-recycle` and `tune-recycle` check their flags before a model loads."""
+    from specjax.train_heads import recycle
+
+    for name in ("warm", "tune"):
+        monkeypatch.setattr(recycle, name, lambda *a, **k: pytest.fail("started before checking"))
+    argv = [str(tmp_path / a) if a in ("OUT", "NOWHERE") else a for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err, err

@@ -233,3 +233,12 @@ def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
         reasons.append(str(plan.reason))
         good.observe_chunk(plan.option, 8 * good.cost.seconds[plan.option], 8)
     assert reasons == ["gain", "probe"] + ["gain"] * 4 + ["probe"] + ["gain"] * 4 + ["probe"], reasons
+    # follow_costs=False keeps the costs given: the skewed calibration's word stands, chunk after chunk
+    fixed = Controller(ControllerConfig(probe_every=16, follow_costs=False), CostModel(dict(skewed.seconds), batch=16))
+    fixed.add_row("r", task="qa")
+    fixed.observe("r", "ngram", accepted_per_position=[5, 4, 3, 2], steps=10)
+    for _ in range(3):
+        plan = fixed.choose(["r"])
+        assert plan.reason == Reason.GAIN and plan.option == first.option
+        fixed.observe_chunk(plan.option, 8 * 1.08, 8)
+    assert fixed.cost.measured == {}

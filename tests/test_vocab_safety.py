@@ -125,14 +125,14 @@ def test_out_of_range_tree_drafts_equal_plain(eng, ref, monkeypatch):
 def test_out_of_range_ngram_drafts_equal_plain(eng, ref, monkeypatch):
     """Prompt lookup patched to shift its drafts out of the vocabulary (up and down)."""
     vocab = eng.config.vocab_size
-    lookup = NgramProposer._lookup
+    propose = NgramProposer.propose
 
-    def shifted(self, tokens, lengths):
-        draft, found = lookup(self, tokens, lengths)
+    def shifted(self, params, pstate, state, sampling_config, keys):
+        draft, q, pstate = propose(self, params, pstate, state, sampling_config, keys)
         j = jnp.arange(draft.shape[1])[None, :]
-        return jnp.where(j % 2 == 0, draft + vocab, -1 - draft), found
+        return jnp.where(j % 2 == 0, draft + vocab, -1 - draft), q, pstate
 
-    monkeypatch.setattr(NgramProposer, "_lookup", shifted)
+    monkeypatch.setattr(NgramProposer, "propose", shifted)
     res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="ngram", k=3))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
 

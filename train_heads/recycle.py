@@ -13,8 +13,10 @@ tree of at most `DEFAULT_NODES` nodes) with the best expected tokens per second
 (`tree_search.choose_subtree`). It writes `tuning.json` beside the warm start;
 `Engine.tuned("recycle")` (the default; `tree=True`: the tree) and `--method recycle` read it.
 
-    python -m specjax.train_heads.recycle warm --prompts-file P.jsonl --out DIR
-    python -m specjax.train_heads.recycle tune DIR --prompts-file P.jsonl
+    specjax warm-recycle --prompts-file P.jsonl --out DIR
+    specjax tune-recycle DIR --prompts-file P.jsonl
+
+(`python -m specjax.train_heads.recycle warm|tune` runs the same.)
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def tune(directory, model: str, prompts: list[str], *, max_new_tokens: int = 128
     return tuning
 
 
-def _select(files: list[str], skip: int, take: int | None) -> tuple[list[str], str]:
+def select_prompts(files: list[str], skip: int, take: int | None) -> tuple[list[str], str]:
     """Prompts of each task class from the `skip`-th on (`take` of them, or all), in file order."""
     from specjax.bench.prompts import read_prompts
 
@@ -225,7 +227,7 @@ def _main(argv=None) -> int:
     t.add_argument("dir", help="the warm start's directory (tuning.json is written there)")
     args = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)
-    texts, source = _select(args.prompts_file, args.skip_per_task, args.per_task)
+    texts, source = select_prompts(args.prompts_file, args.skip_per_task, args.per_task)
     if args.cmd == "warm":
         out = warm(args.model, texts, args.out, k=args.k, max_new_tokens=args.max_new_tokens,
                    batch_size=args.batch_size, source=source, log=log)

@@ -1,14 +1,15 @@
 """`specjax` command line: the subcommands (one module each: generate, bench (offline), loadbench
-(under load), serve, train-heads, tune-heads), the parser they make, and `main`."""
+(under load), serve, train-heads, tune-heads, warm-recycle, tune-recycle), the parser they make, and `main`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from specjax.cli import bench, flags, generate, loadbench, serve, train_heads, tune_heads
+from specjax.cli import (bench, flags, generate, loadbench, serve, train_heads, tune_heads, tune_recycle,
+                         warm_recycle)
 
-SUBCOMMANDS = (generate, bench, loadbench, serve, train_heads, tune_heads)  # each adds its parser
+SUBCOMMANDS = (generate, bench, loadbench, serve, train_heads, tune_heads, warm_recycle, tune_recycle)  # each adds its parser
 
 
 def build_parser() -> argparse.ArgumentParser:

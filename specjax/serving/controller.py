@@ -72,6 +72,8 @@ class ControllerConfig:
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       plain_every: after this many speculative chunks at a batch size, one plain chunk measures
         plain's step cost there again (the costs follow the chunks that run; module docstring).
+      follow_costs: the costs follow the chunks that run (`CostModel.observe`); False keeps the
+        calibrated (or given) costs, so two runs given the same costs decide alike (tests, replays).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
       extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
         some K suit a method, or a tree (`with_assets` adds them from the loaded assets' records).
@@ -92,6 +94,7 @@ class ControllerConfig:
     prior_weight: float = 4.0
     probe_every: int = 16
     plain_every: int = 64
+    follow_costs: bool = True
     probe_bonus: float = 1.0
     extra: tuple[SpecConfig, ...] = ()
     max_step_cost: float | None = None
@@ -378,7 +381,8 @@ class Controller:
 
     def observe_chunk(self, option: SpecConfig, seconds: float, steps: int) -> None:
         """A chunk of `option` ran `steps` steps in `seconds` at the current cost model's batch size."""
-        self.cost.observe(option, seconds, steps)
+        if self.config.follow_costs:
+            self.cost.observe(option, seconds, steps)
 
     def _plain(self, g: float, reason: Reason, *, probe: bool, rows=()) -> Plan:
         self.plain_run += 1

@@ -64,9 +64,9 @@ class RecycleParams(sharding.Logical):
     """The warm start, read-only (the proposer's params): the matrix and second-order table written
     by `specjax warm-recycle` from the target's own answers, or placeholders (cold)."""
 
-    first: Int[Array, "V K"]
-    keys: Int[Array, "Zw 2"]
-    second: Int[Array, "Zw K"]
+    first: Int[Array, "V Kt"]
+    keys: Int[Array, "Z 2"]
+    second: Int[Array, "Z Kt"]
 
     def logical_axes(self):
         return dict(first=(), keys=(), second=())

@@ -97,9 +97,9 @@ def _tuning(assets) -> dict:
 
 
 def tuned(assets, tree: bool) -> dict:
-    """The template tuned on this machine (`tuning.json`, `python -m specjax.train_heads.recycle
-    tune`): the default (the fastest chain or tree of at most 16 nodes), or with `tree` the fastest
-    tree of any size; before any tuning, `DEFAULT_TREE`."""
+    """The template tuned on this machine (`tuning.json`, `specjax tune-recycle`): the default (the
+    fastest chain or tree of at most 16 nodes), or with `tree` the fastest tree of any size; before
+    any tuning, `DEFAULT_TREE`."""
     t = _tuning(assets).get("tree" if tree else "default")
     if not t:
         return dict(tree=DEFAULT_TREE)
