@@ -146,6 +146,19 @@ def test_conversation_encoding_masks_assistant_text(smollm2):
     assert learned.startswith("Hello! How can I help?") and "user" not in learned
 
 
+def test_conversation_without_a_chat_template_is_plain_text(smollm2):
+    """A base model (no chat template, as Gemma 3 270M) learns from the conversation as plain text:
+    the contents and blank lines, the assistant's part masked in."""
+    import copy
+
+    tok = copy.copy(smollm2.tokenizer)
+    tok.chat_template = None
+    msgs = [dict(role="user", content="Hi there"), dict(role="assistant", content="Hello! How can I help?")]
+    toks, mask = train.encode_conversation(tok, msgs, 256)
+    assert tok.decode(toks.tolist()) == tok.decode(tok.encode("Hi there\n\nHello! How can I help?\n\n"))
+    assert tok.decode(toks[mask].tolist()) == "Hello! How can I help?\n\n"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--features", "final", "--feature-layers", "1,2"], "feature-layers"),
     (["--max-minutes", "0"], "max-minutes"),

@@ -197,11 +197,17 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
+def has_chat(engine) -> bool:
+    """The target has a chat template: its answers are self-distilled under it (else as completions)."""
+    return bool(getattr(engine.tokenizer, "chat_template", None))
+
+
 def select_prompts(engine, n: int, *, max_prompt_tokens: int, path=None) -> list[tuple[str, list[int]]]:
-    """The first `n` ShareGPT prompts whose chat-templated ids fit `max_prompt_tokens`, with their ids."""
+    """The first `n` ShareGPT prompts whose ids fit `max_prompt_tokens`, with their ids: under the
+    chat template, or as plain text for a base model without one (`has_chat`)."""
     chosen = []
     for cid, text in sharegpt_prompts(path):
-        ids = engine.encode([text], chat=True)[0]
+        ids = engine.encode([text], chat=has_chat(engine))[0]
         if len(ids) <= max_prompt_tokens:
             chosen.append((cid, ids))
             if len(chosen) == n:
@@ -222,7 +228,7 @@ def build(engine, out_dir: str | os.PathLike, *, conversations: int, max_new_tok
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(model=model_name or engine.name, weights_id=weights_id or engine.weights_id,
                 source=SHAREGPT.filename, source_sha256=SHAREGPT.sha256, conversations=conversations,
-                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, chat=True,
+                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, chat=has_chat(engine),
                 greedy=True, shard_size=shard_size)
     old = _read_index(out)
     if old and any(old.get(k) != v for k, v in meta.items() if k != "conversations"):

@@ -139,13 +139,21 @@ def messages_of(conversation: dict) -> list[dict] | None:
     return out if any(m["role"] == "assistant" for m in out) else None
 
 
+def plain_render(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """A conversation as plain text for a model without a chat template: each message's content
+    and a blank line (nothing marks the roles, as in a base model's completion)."""
+    return "".join(m["content"] + "\n\n" for m in messages)
+
+
 def encode_conversation(tokenizer, messages: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, assistant mask) of a conversation under the chat template, cut to `seq_len`.
 
     Each message is rendered as the template's text added by it (render of messages[:i+1] minus
-    the render of messages[:i]) and tokenized on its own; the mask marks the assistant messages.
+    the render of messages[:i]) and tokenized on its own; the mask marks the assistant messages. A
+    base model without a chat template (Gemma 3 270M) reads the conversation as plain text, each
+    message's content followed by a blank line: what it sees in completion mode.
     """
-    render = tokenizer.apply_chat_template
+    render = tokenizer.apply_chat_template if tokenizer.chat_template else plain_render
     tokens, mask, prev = [], [], ""
     for i, m in enumerate(messages):
         text = render(messages[: i + 1], add_generation_prompt=False)
