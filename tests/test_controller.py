@@ -196,7 +196,7 @@ def test_the_chunk_policy_and_its_reasons():
     assert plan([row("a"), row("b", opt_out=True)], controller=c).reason == Reason.OPT_OUT
     assert c.choose([]).reason == Reason.IDLE
     assert {str(x) for x in Reason} == {"gain", "no_gain", "probe", "opt_out", "idle", "requested",
-                                        "requests_differ", "fixed"}
+                                        "requests_differ", "fixed", "explore"}
 
 
 def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
@@ -242,3 +242,33 @@ def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
         assert plan.reason == Reason.GAIN and plan.option == first.option
         fixed.observe_chunk(plan.option, 8 * 1.08, 8)
     assert fixed.cost.measured == {}
+
+
+def test_an_option_its_prior_undersells_is_explored_then_chosen():
+    """Prompt lookup measured good, and a second method never run whose prior (0.5) loses to it: the
+    greedy choice would never run the second method. Every `explore_every` speculative chunks one
+    chunk explores the option of highest optimistic gain; once measured better, it is chosen. With
+    `explore_every=0` it is never run (the negative control)."""
+    other = SpecConfig.make("recycle", k=8)
+    cost = CostModel({**LIGHT.seconds, other: 1.6}, batch=1)
+
+    def chosen(explore_every: int) -> list[Plan]:
+        c = Controller(ControllerConfig(extra=(other,), explore_every=explore_every, follow_costs=False), cost)
+        c.add_row("r")
+        rng = np.random.default_rng(0)
+        c.observe("r", "ngram", trace(0.75, 8, 100, rng), 100)  # measured: gain ~2.3 against the prior's ~1.25
+        plans = []
+        for _ in range(40):
+            p = c.choose(["r"])
+            plans.append(p)
+            if p.k:
+                alpha = 0.95 if p.option == other else 0.75
+                c.observe("r", p.option.kind, trace(alpha, p.k, 8, rng), 8)
+        return plans
+
+    greedy = chosen(0)
+    assert other not in [p.option for p in greedy] and all(p.reason == Reason.GAIN for p in greedy)
+    plans = chosen(4)
+    first = next(i for i, p in enumerate(plans) if p.option == other)
+    assert first == 3 and plans[first].reason == Reason.EXPLORE, [(p.option.label, p.reason) for p in plans[:6]]
+    assert all(p.option == other for p in plans[first + 1:]), [p.option.label for p in plans]

@@ -304,3 +304,20 @@ def test_warm_start_from_the_targets_own_answer_drafts_on_the_first_request(tiny
     eng.load_asset("recycle", str(tmp_path / "w"))
     loaded = eng.generate(PROMPTS, max_new_tokens=M, spec=recycle(tree=TREE, recycle_spine=0))
     assert sum(r.counters.num_accepted_tokens for r in loaded) / sum(r.counters.num_drafts for r in loaded) == rate[str(tmp_path / "w")]
+
+
+def test_auto_runs_recycle_only_with_a_warm_start_and_adds_its_longest_chain(tiny_model, tmp_path):
+    """Auto's recycle options: none without a warm start; with one, the tuned default and tree (the
+    untuned default tree here) and a chain as long as auto's longest K, each once."""
+    eng = Engine(tiny_model)
+    assert record.auto(eng.assets, (0, 2, 4, 8), None) == []
+    v, k = tiny_model.config.vocab_size, 8
+    recycle_assets.save(tmp_path / "w", first=np.zeros((v, k), np.int32), written=np.zeros(v, bool),
+                        keys=np.full((13, 2), -1, np.int32), second=np.zeros((13, k), np.int32),
+                        manifest=dict(model=eng.name))
+    eng.load_asset("recycle", str(tmp_path / "w"))
+    options = record.auto(eng.assets, (0, 2, 4, 8), None)
+    assert options == [dict(method="recycle", tree=record.DEFAULT_TREE), dict(method="recycle", k=8)]
+    assert record.auto(eng.assets, (0,), None) == [dict(method="recycle", tree=record.DEFAULT_TREE)]
+    for o in options:
+        registry.check(SpecConfig.make(**o))

@@ -206,10 +206,14 @@ def _stats(sel: list[dict], makespan: float) -> dict:
     toks = sum(r["new_tokens"] for r in sel)
     itl = [x for r in sel for x in r["itl_s"]]
     pct = lambda q: float(np.percentile(itl, q)) if itl else float("nan")
+    chunks: dict[str, int] = {}  # chunks each option ran, counted once per request in them
+    for r in sel:
+        for label, n in r.get("chunks", {}).items():
+            chunks[label] = chunks.get(label, 0) + n
     return dict(tau=sum(r["new_tokens"] - 1 for r in sel) / max(1, sum(r["forwards"] for r in sel)),
                 throughput_tok_s=toks / makespan, request_tok_s=toks / sum(r["latency_s"] for r in sel),
                 ttft_p50_s=statistics.median(r["ttft_s"] for r in sel), itl_p50_s=pct(50),
-                itl_p99_s=pct(99), new_tokens=toks)
+                itl_p99_s=pct(99), new_tokens=toks, chunks=dict(sorted(chunks.items(), key=lambda x: -x[1])))
 
 
 def markdown(records: list[dict]) -> str:
@@ -226,6 +230,12 @@ def markdown(records: list[dict]) -> str:
                            for r in records if r["task"] == "all"})
     note = ("\n\ntok/s: throughput over the run for task `all`; per task, tokens over summed request "
             "latency (what one client sees), which is also what the per-task speedup compares.")
+    # what a method of several options (auto) ran: per request, the chunks of each option it sat in
+    ran = [f"- {r['method']} at {r['concurrency']}, {r['task']}: "
+           + ", ".join(f"{label} {n}" for label, n in r["chunks"].items())
+           for r in records if len(r.get("chunks", {})) > 1]
+    if ran:
+        note += "\n\nChunks per option (summed over requests):\n" + "\n".join(ran)
     return head + "\n".join(rows) + note + "\n\n" + mem
 
 

@@ -65,8 +65,9 @@ def add_methods(p: argparse.ArgumentParser, *, many: bool = False, default: str 
     options' flags (`registry.flags()`)."""
     if many:
         p.add_argument("--methods", default=default,
-                       help="comma-separated: none,ngram,draft,medusa,eagle,eagle-tree (bench), and auto "
-                            "(loadbench); none is always measured as the baseline")
+                       help=f"comma-separated: none, {', '.join(registry.RECORDS)}, a method's tuned tree as "
+                            "METHOD-tree (eagle-tree), and auto (loadbench); none is always measured as the "
+                            "baseline")
     else:
         p.add_argument("--method", default="none", choices=["none", *registry.RECORDS, "auto"],
                        help="speculation method (none = plain decoding; auto = the adaptive controller "

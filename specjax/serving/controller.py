@@ -75,6 +75,9 @@ class ControllerConfig:
       follow_costs: the costs follow the chunks that run (`CostModel.observe`); False keeps the
         calibrated (or given) costs, so two runs given the same costs decide alike (tests, replays).
       probe_bonus: optimism of the probe test: alpha + probe_bonus / sqrt(attempts + 1).
+      explore_every: after this many speculative chunks in a row, one chunk runs the option of
+        highest optimistic gain when that is not the best one (an option with little evidence is
+        measured instead of judged by its prior forever); 0 never explores.
       extra: more options, each a speculative `SpecConfig`, e.g. Medusa's chain of 3 when only
         some K suit a method, or a tree (`with_assets` adds them from the loaded assets' records).
       max_step_cost: a bound on inter-token latency: options whose step costs more than this many
@@ -96,6 +99,7 @@ class ControllerConfig:
     plain_every: int = 64
     follow_costs: bool = True
     probe_bonus: float = 1.0
+    explore_every: int = 16
     extra: tuple[SpecConfig, ...] = ()
     max_step_cost: float | None = None
     replay_ngram: bool = True
@@ -114,6 +118,8 @@ class ControllerConfig:
             raise ValueError(f"decay={self.decay}: must lie in (0, 1]")
         if self.probe_every < 1 or self.plain_every < 1:
             raise ValueError(f"probe_every={self.probe_every}, plain_every={self.plain_every}: must be >= 1")
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every={self.explore_every}: must be >= 0 (0 = never)")
         if self.max_step_cost is not None and not self.max_step_cost >= 1:
             raise ValueError(f"max_step_cost={self.max_step_cost}: must be >= 1 (plain steps)")
 
@@ -225,6 +231,7 @@ class Reason(enum.StrEnum):
     NO_GAIN = "no_gain"  # no option is expected to: plain
     PROBE = "probe"  # a measurement: after plain chunks, an option that could pay; or plain itself, not yet
     # measured at this batch size or not for `plain_every` speculative chunks
+    EXPLORE = "explore"  # a measurement: after speculative chunks, the option of highest optimistic gain
     OPT_OUT = "opt_out"  # a running request opted out of speculation: plain
     IDLE = "idle"  # no row runs
     REQUESTED = "requested"  # the running requests name this option
@@ -270,6 +277,7 @@ class Controller:
         self.rows: dict[Hashable, dict] = {}
         self.tasks: dict[tuple[str | None, str], Acceptance] = {}
         self.plain_run = 0  # plain chunks chosen in a row
+        self.spec_run = 0  # speculative chunks chosen for their gain since the last exploration
 
     # ---- rows and evidence -----------------------------------------------------------------
     def add_row(self, row: Hashable, *, task: str | None = None, opt_out: bool = False) -> None:
@@ -370,8 +378,21 @@ class Controller:
             if self._plain_due():
                 return Plan(PLAIN, g, Reason.PROBE)
             self.plain_run = 0
-            return Plan(option, g, Reason.GAIN)
+            return self._explore(rows) or Plan(option, g, Reason.GAIN)
         return self._plain(g, Reason.NO_GAIN, probe=True, rows=rows)
+
+    def _explore(self, rows: Sequence[Hashable]) -> Plan | None:
+        """Every `explore_every` speculative chunks: the option of highest optimistic gain, when it is
+        not the best by the estimates (None otherwise). Without it, an option whose prior loses to a
+        measured one is never run, however well it would do (token recycling's long chain on answers
+        that recur, against prompt lookup's measured rates)."""
+        self.spec_run += 1
+        if not self.config.explore_every or self.spec_run < self.config.explore_every:
+            return None
+        self.spec_run = 0
+        option, _ = self.best(rows)
+        bold, _ = self.best(rows, optimistic=True)
+        return None if bold == option else Plan(bold, self.gain(rows, bold), Reason.EXPLORE)
 
     def _plain_due(self) -> bool:
         """Speculation is judged against plain measured at this batch size: once chunks run here, a

@@ -107,10 +107,17 @@ def tuned(assets, tree: bool) -> dict:
 
 
 def auto(assets, ks, given) -> list[dict]:
-    """With a warm start (loaded or shipped): the tuned default and the fastest tree."""
+    """With a warm start (loaded or shipped): the tuned default, the fastest tree, and a chain as long
+    as auto's longest K. The tuning weighs every prompt alike; answers that recur across requests
+    (configuration files) accept long chains that the average does not, and auto measures acceptance
+    per task class, so the long chain is there for the classes where it pays."""
     if METHOD not in assets.methods and recycle_assets.shipped_dir(assets.name) is None:
         return []
-    return list({repr(o): o for o in (dict(method=METHOD, **tuned(assets, t)) for t in (False, True))}.values())
+    options = [dict(method=METHOD, **tuned(assets, t)) for t in (False, True)]
+    longest = max((int(k) for k in ks), default=0)
+    if longest > 1:
+        options.append(dict(method=METHOD, k=longest))
+    return list({repr(o): o for o in options}.values())
 
 
 def load_into(engine, path: str) -> None:
