@@ -193,6 +193,12 @@ def test_cli_generate_and_loadbench_run_on_the_tiny_model(tiny_model, monkeypatc
     assert cli.main(["loadbench", "--methods", "none,ngram,auto", "--concurrency", "1", "--max-new-tokens", "4",
                      "--json", str(out)]) == 0
     assert {r["method"] for r in json.loads(out.read_text())} == {"none", "ngram", "auto"}
+    # a method with tuned settings (recycle) runs the chain --k gives, not its tuned template
+    runs = tmp_path / "runs.json"
+    assert cli.main(["loadbench", "--methods", "recycle", "--k", "2", "--concurrency", "1", "--max-new-tokens", "4",
+                     "--runs-json", str(runs)]) == 0
+    ran = [r for r in json.loads(runs.read_text()) if r["method"] == "recycle"]
+    assert ran and all(set(r["chunks"]) == {"recycle:2"} for r in ran), [r["chunks"] for r in ran]
 
 
 def test_bench_spec_of_every_method_label(tiny_model):

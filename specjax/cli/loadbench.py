@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
     specs.load_assets(engine, args, _assets(args, engine, plan))
     used = [m for m in plan.methods if m not in ("none", "auto")]
-    given.update({m: engine.tuned(m) for m in used if registry.record(m).tuned is not None})
+    # a method with tuned settings takes them from the loaded assets, its flags (--k, --tree) overriding
+    given.update({m: specs.spec_of(args, m, engine=engine) for m in used if registry.record(m).tuned is not None})
     plan = dataclasses.replace(plan, auto=plan.auto.with_assets(engine.assets, given))
     if not args.file_order:
         prompts = load.interleave(prompts)
