@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +46,7 @@ def measure(preset: str, windows: tuple[int, ...], repeats: int, cache_len: int 
             args = (params, jnp.ones((1, t), jnp.int32), at + jnp.arange(t, dtype=jnp.int32)[None], cache)
             jax.block_until_ready(f(*args))
             fns[(name, t)] = (f, args)
-    samples = {key: [] for key in fns}
-    for _ in range(repeats):
-        for key, (f, args) in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            samples[key].append(time.perf_counter() - t0)
+    samples = verify_profile.interleaved(fns, repeats)
     head_bytes = config.vocab_size * config.dim * 4
     total_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     rows = []

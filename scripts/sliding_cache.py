@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.bench import verify_profile
 from specjax.models import loader
 
 
@@ -65,13 +65,8 @@ def main() -> None:
                 toks = jnp.ones((1, t), jnp.int32)
                 pos = (s - widest - 1) + jnp.arange(t, dtype=jnp.int32)[None]
                 jax.block_until_ready(forward(params, toks, pos, cache))  # compile
-                calls[(s, layout, t)] = (params, toks, pos, cache)
-    samples = {key: [] for key in calls}
-    for _ in range(args.repeats):  # interleaved: every configuration once per round
-        for key, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(forward(*call))
-            samples[key].append(time.perf_counter() - t0)
+                calls[(s, layout, t)] = (forward, (params, toks, pos, cache))
+    samples = verify_profile.interleaved(calls, args.repeats)  # every configuration once per round
     for (s, layout, t), ts in samples.items():
         rows.append(dict(kind="forward", length=s, layout=layout, T=t, ms=1e3 * statistics.median(ts),
                          ms_min=1e3 * min(ts)))

@@ -58,6 +58,18 @@ def _time(f, *args, repeats: int) -> list[float]:
     return out
 
 
+def interleaved(calls: dict, repeats: int) -> dict[object, list[float]]:
+    """Seconds of each `calls[key] = (f, args)` per round, `repeats` rounds, every call once a round,
+    so that drift spreads over all of them (each call already compiled and warm)."""
+    samples = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, (f, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            samples[key].append(time.perf_counter() - t0)
+    return samples
+
+
 def measure_bandwidth(mib: int = 512, repeats: int = 9) -> float:
     """Read bandwidth, bytes/s: the better of a jitted fp32 sum over a `mib`-MiB array and a
     matrix-vector product over it (what a decode step is), best of `repeats` each."""
@@ -234,12 +246,7 @@ def forward_profile(models: dict, *, windows=WINDOWS, repeats: int = 15, cache_l
                 pos = at + jnp.arange(t, dtype=jnp.int32)[None]
                 jax.block_until_ready(f(params, toks, pos, cache))  # compiles under the switch
                 fns[(label, t)] = (f, (params, toks, pos, cache))
-    samples = {key: [] for key in fns}
-    for _ in range(repeats):
-        for key, (f, a) in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            samples[key].append(time.perf_counter() - t0)
+    samples = interleaved(fns, repeats)
     rows = []
     for label in models:
         one = statistics.median(samples[(label, windows[0])])
