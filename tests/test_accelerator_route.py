@@ -1,4 +1,4 @@
-"""The accelerator route of the draft heads (`scripts/accelerator_heads.py`), run here on CPU at the
+"""The accelerator route of the draft heads (`tools/accelerator_heads.py`), run here on CPU at the
 smallest size: what `pack` writes fits the device tool's carry, and `train` needs no tokenizer, only
 the two carried halves, and leaves a loadable head per budget."""
 
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-SCRIPT = "scripts/accelerator_heads.py"
+SCRIPT = "tools/accelerator_heads.py"
 NO_TOKENIZER = ("tokenizers", "jinja2", "safetensors", "starlette", "uvicorn", "pydantic", "prometheus_client",
                 "httpx", "transformers", "torch")
 

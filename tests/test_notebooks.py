@@ -1,7 +1,7 @@
 """The notebooks run top to bottom (nbclient), and so does the README's Python example.
 
 They use the real SmolLM2-135M (fetched through the catalog) and the prompt sets shipped in the package;
-they are what scripts/make_notebooks.py writes, and nothing that runs reads outside the repository.
+they are what tools/make_notebooks.py writes, and nothing that runs reads outside the repository.
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ def test_there_are_the_four_notebooks():
 
 
 def test_the_notebooks_are_what_their_sources_write():
-    spec = importlib.util.spec_from_file_location("make_notebooks", ROOT / "scripts" / "make_notebooks.py")
+    spec = importlib.util.spec_from_file_location("make_notebooks", ROOT / "tools" / "make_notebooks.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     nbformat = need_module("nbformat")
@@ -30,13 +30,13 @@ def test_the_notebooks_are_what_their_sources_write():
     for path in NOTEBOOKS:
         cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
         assert cells(nbformat.read(path, as_version=4)) == cells(make.build(path.stem)), (
-            f"{path.name} differs from scripts/make_notebooks.py: edit the cells there and run it")
+            f"{path.name} differs from tools/make_notebooks.py: edit the cells there and run it")
 
 
 def test_nothing_that_runs_reads_beside_the_repository():
     # a user's clone has no sibling folder: the notebooks, the Makefile, the README's commands, the
     # tests and CI read the package's own prompt sets (`--prompts-file tasks` / `ops`)
-    runs = [*NOTEBOOKS, ROOT / "Makefile", ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "scripts" / "make_notebooks.py",
+    runs = [*NOTEBOOKS, ROOT / "Makefile", ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "tools" / "make_notebooks.py",
             *(ROOT / "tests").glob("*.py"), *(ROOT / "docs").glob("*.md")]
     for path in runs:
         if path.name == pathlib.Path(__file__).name or path.name in ("BENCHMARKS.md",):

@@ -520,13 +520,9 @@ def test_head_training_resumes_across_a_change_of_mesh(tiny_model, tmp_path):
 
 
 def test_device_script_runs_on_cpu(tmp_path):
-    """scripts/mesh_device_bench.py --tiny: the accelerator script is exercised here, on a CPU mesh."""
-    import importlib.util
+    """specjax.bench.experiments.mesh_device --tiny: the accelerator benchmark is exercised here, on a CPU mesh."""
+    from specjax.bench.experiments import mesh_device as mod
 
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "mesh_device_bench.py"
-    spec = importlib.util.spec_from_file_location("mesh_device_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = tmp_path / "records.jsonl"
     assert mod.main(["--tiny", "--mesh", "data=2,model=4", "--batches", "2", "--methods", "none,tree",
                      "--json", str(out)]) == 0

@@ -1,6 +1,6 @@
 """What a K-token verify forward costs next to a 1-token decode step, per matmul and whole, beside
 the memory and compute floors of this machine (`specjax bench --verify-profile`,
-scripts/verify_profile.py).
+`python -m specjax.bench.experiments.verify_profile`).
 
 A verify window of M rows reads the same weights as a decode step of one row; its extra FLOPs are M
 times a step's, small next to the time the weights take to stream while M is small. So on hardware

@@ -14,7 +14,7 @@ Arms (default: none, recycle, recycle-nospine, recycle-cold, recycle-chain):
   recycle-tree:N         the tuned tree of N nodes (tuning.json's `sizes`)
   ngram                  prompt lookup, chain of 4
 
-    flock /work/tools/heavy.lock .venv/bin/python scripts/recycle_bench.py \\
+    flock /work/tools/heavy.lock .venv/bin/python -m specjax.bench.experiments.recycle \\
         --prompts-file ../shared/data/specbench-dev.jsonl --per-task 4 --json out.json
 """
 

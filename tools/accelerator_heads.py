@@ -10,14 +10,14 @@ a head saved at each budget, so one run is also a learning curve.
 
 Here (CPU), once:
 
-    .venv/bin/python scripts/accelerator_heads.py pack --stage .device --conversations 3000 --self 2000
+    .venv/bin/python tools/accelerator_heads.py pack --stage .device --conversations 3000 --self 2000
 
 writes .device/a and .device/b (each checked to be under 60 MiB). Then two calls to the device
 machine, the second within its warm window (files outside $OUT stay there between calls):
 
     run(carry=[".device/a"], command="mkdir -p /tmp/heads && cp -r .device/a/. /tmp/heads/")
     run(carry=[".device/b"], command="cp -r .device/b/. /tmp/heads/ && "
-        "python scripts/accelerator_heads.py train --stage /tmp/heads --out $OUT/heads --minutes 8")
+        "python tools/accelerator_heads.py train --stage /tmp/heads --out $OUT/heads --minutes 8")
 
 The heads come back under <files_at>/heads/head-<updates> (each loadable with `--eagle`), with
 metrics.jsonl and report.json (the time of each stage). Their acceptance counts in the live loop:
@@ -59,7 +59,7 @@ def _importable_specjax() -> None:
     import importlib.util
     import tempfile
 
-    spec = importlib.util.spec_from_file_location("compare_commits", ROOT / "scripts" / "compare_commits.py")
+    spec = importlib.util.spec_from_file_location("compare_commits", ROOT / "tools" / "compare_commits.py")
     compare_commits = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare_commits)  # its package tree is the one mapping of the layout
     tree = pathlib.Path(tempfile.mkdtemp(prefix="specjax-tree-"))

@@ -1,8 +1,8 @@
 """The verify window's cost per matmul and per forward, beside the memory and compute floors.
 
-    .venv/bin/python scripts/verify_profile.py                       # SmolLM2-135M and Qwen2.5-Coder-1.5B
-    .venv/bin/python scripts/verify_profile.py --models smollm2-135m --windows 1,5,9 --repeats 31
-    .venv/bin/python scripts/verify_profile.py --models qwen2.5-coder-1.5b --no-forward   # per matmul only
+    .venv/bin/python -m specjax.bench.experiments.verify_profile   # SmolLM2-135M and Qwen2.5-Coder-1.5B
+    .venv/bin/python -m specjax.bench.experiments.verify_profile --models smollm2-135m --windows 1,5,9 --repeats 31
+    .venv/bin/python -m specjax.bench.experiments.verify_profile --models qwen2.5-coder-1.5b --no-forward  # per matmul only
 
 Weights are constant/random of each preset's shape (timing does not depend on values; nothing is
 downloaded). The same report: `specjax bench --verify-profile --model NAME`. What it measures and how:

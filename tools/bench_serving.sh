@@ -8,7 +8,7 @@
 # caches sized as the in-process scheduler sizes its own (the longest prompt with the chat template:
 # 127 tokens in the shipped ops set, 81 in the ops-dev file of the figures in docs/BENCHMARKS.md; + 256):
 # a server sized for 512-token prompts attends over 2-2.3x the cache at every step.
-# Usage: scripts/bench_serving.sh [OUT_DIR] [STAGES] (JSON per stage there; a quiet machine: ~25 min here).
+# Usage: tools/bench_serving.sh [OUT_DIR] [STAGES] (JSON per stage there; a quiet machine: ~25 min here).
 # OPS=FILE (default: the shipped `ops` set) and MAX_PROMPT=TOKENS (its longest prompt) serve other prompts.
 # STAGES: "inproc,http-plain,http-auto" (default) or some of them.
 set -euo pipefail

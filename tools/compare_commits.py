@@ -11,7 +11,7 @@ slots instead (compile and warm-up excluded; tok/s is the run's tokens over its 
 `auto` (the adaptive controller over its default options) may be among the methods.
 
 Usage:
-  python scripts/compare_commits.py BASE [HEAD] [--rounds 2] [--per-task 1] [--max-new-tokens 128]
+  python tools/compare_commits.py BASE [HEAD] [--rounds 2] [--per-task 1] [--max-new-tokens 128]
                                     [--methods none,ngram,medusa,medusa-tree] [--scheduler 4]
 """
 

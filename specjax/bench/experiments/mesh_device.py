@@ -9,8 +9,8 @@ a plain step: bytes one device must read per step (its weight shard + its KV-cac
 bandwidth measured on that device, as tok/s. Memory per device from the layout.
 
 Usage:
-  python scripts/mesh_device_bench.py [--mesh data=1,model=8] [--batches 1,16,64] [--json out.jsonl]
-  python scripts/mesh_device_bench.py --tiny      # CPU smoke test: tiny config, a few tokens
+  python -m specjax.bench.experiments.mesh_device [--mesh data=1,model=8] [--batches 1,16,64] [--json out.jsonl]
+  python -m specjax.bench.experiments.mesh_device --tiny  # CPU smoke test: tiny config, a few tokens
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 and logits over every row, as verify computes them) against the same forward stopping at the final
 norm, interleaved, at a fixed cache position; beside the head's share of the weight bytes a step reads.
 
-    .venv/bin/python scripts/lm_head_share.py                          # gemma3-270m and smollm2-135m
-    .venv/bin/python scripts/lm_head_share.py --models gemma3-270m --windows 1,5,9 --repeats 31
+    .venv/bin/python -m specjax.bench.experiments.lm_head_share   # gemma3-270m and smollm2-135m
+    .venv/bin/python -m specjax.bench.experiments.lm_head_share --models gemma3-270m --windows 1,5,9 --repeats 31
 
 Weights are constant, of each preset's shapes (nothing is downloaded; timing does not depend on values).
 Where the logits are computed: prefill computes them at each row's last prompt position only (every

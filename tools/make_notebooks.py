@@ -1,4 +1,4 @@
-"""The notebooks' sources: `python scripts/make_notebooks.py` writes notebooks/NAME.ipynb from them, outputs
+"""The notebooks' sources: `python tools/make_notebooks.py` writes notebooks/NAME.ipynb from them, outputs
 stripped (a cell starting "md:" is markdown). tests/test_notebooks.py checks that the committed notebooks are
 what this writes, so edit the cells here and run it.
 

@@ -2,7 +2,7 @@
 
     .venv/bin/specjax serve --model smollm2-135m --method none --slots 16 --batch-sizes 1,2,4,8 \
         --max-tokens 256 --max-prompt-tokens 81 --port 8019 &
-    .venv/bin/python scripts/http_ttft.py http://127.0.0.1:8019 --per-task 4 --rounds 2
+    .venv/bin/python -m specjax.bench.experiments.http_ttft http://127.0.0.1:8019 --per-task 4 --rounds 2
 
 One streaming chat request at a time (8 new tokens). Per request: the client's TTFT (from sending
 to the first content chunk, httpx), and the server's (from the request's arrival in the handler to

@@ -9,7 +9,7 @@ outputs are identical.
 With MODEL=smollm2-135m in the environment the same requests run on that model instead, where a
 chunk's time is mostly the device's: the per-chunk times then compare the compiled loops.
 
-Usage: [MODEL=smollm2-135m] .venv/bin/python scripts/scheduler_host_cost.py BASE [HEAD] [ROUNDS]
+Usage: [MODEL=smollm2-135m] .venv/bin/python tools/scheduler_host_cost.py BASE [HEAD] [ROUNDS]
 """
 import json
 import os
@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 
 def worker(tree):
@@ -87,6 +87,8 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        raise SystemExit(__doc__)
     if sys.argv[1] == "--worker":
         worker(sys.argv[2])
     else:

@@ -1,7 +1,7 @@
 """Whether large and malformed bodies slow a server's other clients: a stream's gaps and /health.
 
     .venv/bin/specjax serve --model smollm2-135m --method ngram --k 4 --slots 4 --port 8031 &
-    .venv/bin/python scripts/hostile_latency.py http://127.0.0.1:8031 --rounds 2
+    .venv/bin/python -m specjax.bench.experiments.hostile_latency http://127.0.0.1:8031 --rounds 2
 
 Each round has two phases. In both, one streaming chat request (plain, `--max-tokens` tokens) runs
 while /health is polled every 50 ms. In the hostile phase, once the stream has begun, these bodies
