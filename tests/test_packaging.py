@@ -3,6 +3,7 @@ with an `__init__.py` under its installed name (models/ is specjax.models, train
 specjax.train_heads). A folder missing from the list still imports in an editable install, and is absent
 from a wheel."""
 
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -19,3 +20,28 @@ def test_every_package_folder_is_listed_for_the_wheel():
     }
     assert found - listed == set(), f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
     assert listed - found == set(), f"{sorted(listed - found)} are listed in pyproject.toml, and no folder holds them"
+
+
+def test_every_data_file_in_a_package_is_package_data():
+    """A file the library reads beside its code (models/pins.toml, the kernel's source, the shipped heads
+    and prompt sets) is matched by `[tool.setuptools.package-data]`: otherwise a wheel lacks it, and an
+    editable install, reading the checkout, does not show it."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = setuptools["package-dir"]
+
+    def folder(package: str) -> Path:  # pyproject's package-dir: the longest mapped prefix
+        top = max((p for p in dirs if package == p or package.startswith(p + ".")), key=len)
+        return ROOT / dirs[top] / Path(*package[len(top):].split(".")[1:])
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    packaged = {f.resolve() for package, patterns in setuptools["package-data"].items()
+                for pattern in patterns for f in folder(package).glob(pattern) if f.is_file()}
+    folders = {folder(package): package for package in setuptools["packages"]}
+    missing = []
+    for line in tracked.stdout.splitlines():
+        path = (ROOT / line).resolve()
+        owner = next((p for p in path.parents if p in folders), None)  # the innermost package holding it
+        if owner is not None and path.suffix != ".py" and path not in packaged:
+            missing.append(f"{line} (package {folders[owner]})")
+    assert not missing, f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"
+    assert (ROOT / "models" / "pins.toml").resolve() in packaged

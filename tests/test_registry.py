@@ -154,6 +154,28 @@ def test_known_models_have_presets():
         assert all(isinstance(pin, Pin) and len(pin.sha256) == 64 for pin in source.packages)
 
 
+def test_pins_are_read_from_the_toml_and_checked(tmp_path):
+    """models/pins.toml is the registry's one source; a table missing a key, with an unknown one, or
+    with a wheel pin that is not {name, version, sha256} of 64 hex digits is refused, naming it."""
+    assert catalog.read_pins() == catalog.REGISTRY and catalog.PINS.name == "pins.toml"
+    pin = '{ name = "tiny-part1", version = "1.0", sha256 = "%s" }'
+    entry = ('[tiny]\npreset = "tiny"\nfilename = "t.gguf"\nsha256 = "%s"\nsize = 3\n'
+             'members = ["tiny_part1/data/part01.bin"]\npackages = [%s]\n')
+    path = tmp_path / "pins.toml"
+    path.write_text(entry % ("a" * 64, pin % ("b" * 64)))
+    (source,) = catalog.read_pins(path).values()
+    assert source.packages == (Pin("tiny-part1", "1.0", "b" * 64),) and source.size == 3
+    path.write_text((entry % ("a" * 64, pin % ("b" * 64))).replace("size = 3\n", "size = 3\nurl = \"x\"\n"))
+    with pytest.raises(ValueError, match=r"pins.toml \[tiny\]: has .*'url'.*needs exactly the keys"):
+        catalog.read_pins(path)
+    path.write_text(entry % ("a" * 64, '{ name = "tiny-part1", version = "1.0" }'))
+    with pytest.raises(ValueError, match=r"pins.toml \[tiny\]: each of packages must be"):
+        catalog.read_pins(path)
+    path.write_text(entry % ("a" * 64, pin % "B"))
+    with pytest.raises(ValueError, match="must be 64 lowercase hex digits"):
+        catalog.read_pins(path)
+
+
 def test_resolve_local_gguf_and_hf_dir(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
