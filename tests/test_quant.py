@@ -1,0 +1,99 @@
+"""Packed GGUF weights (`specjax.models.quant`): the in-graph dequantization is gguf's, bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants
+
+from specjax.models import gguf_loader, quant
+
+# byte offsets of each type's fp16 scale fields: random bytes there could be inf/nan, which compare
+# unequal to themselves; they are drawn as finite fp16 instead
+_F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    block, nbytes = quant.BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        raw[..., off:off + 2] = rng.normal(0, 0.05, size=(n, k // block)).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", quant.PACKED_TYPES)
+def test_dequantize_is_gguf_bit_for_bit_on_random_blocks(qtype):
+    block = quant.BLOCKS[qtype][0]
+    n, k = 5, 3 * block
+    raw = _random_blocks(qtype, n, k)
+    ref = quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)
+    got = jax.jit(lambda b: quant.dequantize(b, qtype, (n, k)))(raw)
+    assert got.dtype == jnp.float32 and got.shape == (n, k)
+    np.testing.assert_array_equal(_bits(got), _bits(ref))
+
+
+def test_dequantize_differs_when_a_byte_changes():
+    """Negative control: the comparison above sees a single changed quant."""
+    raw = _random_blocks("Q4_K", 2, 256)
+    ref = quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(2, 256)
+    raw[1, 100] ^= 0x01
+    assert not np.array_equal(_bits(quant.dequantize(raw, "Q4_K", (2, 256))), _bits(ref))
+
+
+def _real_tensors(path, per_type: int = 2):
+    reader = gguf_loader.open_reader(path)
+    seen: dict[str, int] = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        if len(t.shape) == 2 and name in quant.BLOCKS and seen.get(name, 0) < per_type:
+            seen[name] = seen.get(name, 0) + 1
+            yield t
+
+
+def _check_real(path):
+    types = set()
+    for t in _real_tensors(path):
+        w = quant.from_gguf_tensor(t)
+        rows = min(w.shape[0], 256)  # a slice of rows keeps the test small; every block type is whole rows
+        part = quant.PackedWeight(w.blocks[:rows], w.qtype, (rows, w.shape[1]))
+        ref = quants.dequantize(np.asarray(t.data)[:rows], t.tensor_type).reshape(rows, w.shape[1])
+        np.testing.assert_array_equal(_bits(jax.jit(lambda p: p.dequantize())(part)), _bits(ref), err_msg=t.name)
+        assert w.nbytes == np.asarray(t.data).nbytes
+        types.add(w.qtype)
+    return types
+
+
+def test_real_smollm2_tensors(smollm2_path):
+    assert _check_real(smollm2_path) == {"Q4_1", "Q8_0"}
+
+
+def test_real_gemma3_tensors(gemma3_path):
+    assert _check_real(gemma3_path) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+
+
+def test_unsupported_type_refused_by_name():
+    with pytest.raises(quant.UnsupportedBlockType, match="Q2_K.*Q4_0"):
+        quant.check_type("Q2_K")
+    with pytest.raises(ValueError, match="not a whole number of 256"):
+        quant.check_type("Q6_K", 300)
+
+
+def test_packed_weight_checks_its_blocks():
+    with pytest.raises(ValueError, match=r"uint8 \(4, 68\)"):
+        quant.PackedWeight(jnp.zeros((4, 60), jnp.uint8), "Q8_0", (4, 64))
+
+
+def test_packed_weight_is_a_pytree_with_static_type():
+    w = quant.PackedWeight(jnp.asarray(_random_blocks("Q8_0", 3, 64)), "Q8_0", (3, 64))
+    leaves, tree = jax.tree.flatten(w)
+    assert len(leaves) == 1 and leaves[0].dtype == jnp.uint8
+    assert jax.tree.unflatten(tree, leaves).qtype == "Q8_0"
