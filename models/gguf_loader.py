@@ -1,7 +1,8 @@
 """Reads GGUF checkpoints of any registered family (llama, qwen2, qwen3, gemma3) with the `gguf` package.
 
 Weights are dequantized to numpy float32 in our layout (`x @ W`, so `[in, out]`) by the `gguf`
-package's numpy dequantizers. The shapes every family shares are read here; the family
+package's numpy dequantizers, or (`packed=True`) the quantized projections are kept as the file's
+blocks (`specjax.models.quant.PackedWeight`, `[N, K]` rows) and dequantized in the graph. The shapes every family shares are read here; the family
 (`specjax.models.families`, found by `general.architecture`) reads its own options, names its
 block's tensors and undoes how llama.cpp's converter stored them (Llama's q/k rows permuted for its
 interleaved RoPE, Gemma's norms as `1 + w`). Every tensor of the file must be one the model has: an
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models import families
+from specjax.models import families, quant
 from specjax.models.config import ROPE_SCALING_KINDS, ModelConfig, RopeKind, RopeScaling
 
 SUPPORTED_TYPES = (
@@ -144,11 +145,18 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def weights_from_gguf(reader, config: ModelConfig, *, progress=None) -> dict[str, np.ndarray]:
+DENSE_TYPES = ("F32", "F16", "BF16")  # read as fp32 whether or not the quantized ones stay packed
+
+
+def weights_from_gguf(reader, config: ModelConfig, *, progress=None, packed: bool = False) -> dict[str, Any]:
     """Returns `{flat param path: float32 array}` in our layout (see `specjax.models.transformer`).
+
+    `packed`: every quantized projection (not the embedding) comes as a `quant.PackedWeight` of the
+    file's bytes instead (`[N, K]` rows, whatever `config.weight_layout`); F32/F16/BF16 ones as fp32.
 
     Raises:
       GGUFError: a tensor the model has no place for (named), or one that cannot be dequantized.
+      quant.UnsupportedBlockType: `packed` and a projection in a block type that cannot stay packed.
     """
     arch = _field(reader, "general.architecture")
     family = families.get(config.family)
@@ -163,6 +171,18 @@ def weights_from_gguf(reader, config: ModelConfig, *, progress=None) -> dict[str
             raise GGUFError(f"tensor {name!r} has no place in specjax's {config.family} model "
                             f"({config.num_layers} layers; a bias, norm or layer this family does not have?): "
                             "this checkpoint variant is not supported")
+        qtype = tensor.tensor_type.name
+        if packed and key != "embed" and len(tensor.shape) == 2 and qtype not in DENSE_TYPES:
+            if qtype not in quant.BLOCKS:
+                raise quant.UnsupportedBlockType(
+                    f"tensor {name!r} is {qtype}, which cannot be kept packed (packed types: "
+                    f"{', '.join(quant.PACKED_TYPES)}); load with weights='dequantized' to read it as fp32")
+            k, n = (int(d) for d in tensor.shape)
+            # the family's fix-ups of a projection reorder whole rows (llama's q/k), so they apply to
+            # rows of blocks as to rows of weights
+            rows = family.gguf_tensor(name, np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1), config, arch)
+            out[key] = quant.PackedWeight(np.ascontiguousarray(rows), qtype, (n, k))
+            continue
         w = family.gguf_tensor(name, _dequantize(tensor), config, arch)
         if key == "embed":
             w = w[: config.vocab_size]

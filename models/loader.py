@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import families, gguf_loader, hf_loader, linear
+from specjax.models import families, gguf_loader, hf_loader, linear, quant
 from specjax.models.config import PRESETS, ModelConfig
 from specjax.models.transformer import Transformer
 
@@ -37,7 +37,9 @@ def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> T
 
     Projection weights come as `[K, N]` (`x @ w`) and are stored in `config.weight_layout`
     (`specjax.models.linear`); shapes are checked in the `[K, N]` form. Every parameter must be
-    given and every weight must be a parameter: a checkpoint is never half-loaded."""
+    given and every weight must be a parameter: a checkpoint is never half-loaded. A projection may
+    come as a `quant.PackedWeight` (`[N, K]` blocks): its parameter then holds the blocks, marked
+    `packed=(qtype, N, K)` (`specjax.models.layers.params.weight` dequantizes it in the graph)."""
     abstract = nnx.eval_shape(lambda: families.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -56,6 +58,12 @@ def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> T
         w = weights[key]
         layout = want.get_metadata().get("dense_layout")
         expect = tuple(want.shape) if layout in (None, "kn") else tuple(want.shape)[::-1]
+        if isinstance(w, quant.PackedWeight):
+            if layout is None or w.shape[::-1] != expect:
+                raise ValueError(f"parameter {key}: a packed {w.qtype} weight {w.shape[::-1]} where the model "
+                                 f"expects a projection {expect}")
+            leaves.append((path, want.replace(jnp.asarray(w.blocks), packed=(w.qtype, *w.shape))))
+            continue
         if tuple(w.shape) != expect:
             raise ValueError(f"parameter {key}: checkpoint shape {w.shape}, model expects {expect}")
         if layout is not None:
@@ -78,8 +86,11 @@ def weights_id(path: pathlib.Path) -> str:
     return h.hexdigest()[:16]
 
 
+WEIGHTS = ("packed", "dequantized")
+
+
 def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         progress: bool = False, weight_layout: str | None = None) -> LoadedModel:
+         progress: bool = False, weight_layout: str | None = None, weights: str = "dequantized") -> LoadedModel:
     """Loads weights and tokenizer.
 
     Args:
@@ -90,10 +101,17 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
       progress: show a progress bar while dequantizing.
       weight_layout: how projection weights are stored ("kn" or "nk"); by default the faster one
         for this backend and dtype (`specjax.models.linear.preferred_layout`). Outputs do not change.
+      weights: for a GGUF file, "dequantized" (fp32 at load, the default) or "packed": the quantized
+        projections stay the file's blocks on the device (`specjax.models.quant`), dequantized in the
+        graph to the same fp32 values, so outputs do not change; `weight_bytes` counts the blocks.
+        A block type that cannot stay packed is refused by name. Ignored for an HF directory.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: use 'packed' (GGUF blocks kept as stored) or 'dequantized' (fp32)")
     from specjax.models import catalog
     from specjax.models.tokenizer import Tokenizer
 
+    packed = weights == "packed"
     path = catalog.resolve(name_or_path)
     name = name_or_path if name_or_path in PRESETS else path.stem
     over = dict(dtype=dtype, param_dtype=param_dtype or dtype,
@@ -110,7 +128,7 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
             from tqdm import tqdm
 
             bar = lambda it: tqdm(it, desc=f"loading {path.name}", unit="tensor", leave=False)
-        weights = gguf_loader.weights_from_gguf(reader, config, progress=bar)
+        weights = gguf_loader.weights_from_gguf(reader, config, progress=bar, packed=packed)
         tokenizer = Tokenizer.from_gguf(reader)
     model = model_from_weights(config, weights)
     return LoadedModel(model, tokenizer, config, str(path), weights_id(path))

@@ -122,7 +122,8 @@ class Transformer(nnx.Module):
         the own projection in `config.weight_layout` ("kn" `[D, V]`, "nk" `[V, D]`)."""
         if self.config.tie_embeddings:
             return self.embed[...], "nk"
-        return self.lm_head[...], self.config.weight_layout
+        layout = self.config.weight_layout
+        return params.weight(self.lm_head, None, layout), layout
 
     def lm_head_rows(self, ids: Int[Array, "Vd"] | None = None) -> Float[Array, "V D"]:
         """The LM head as token rows `[V, D]` (tied or not), or only the rows of `ids`."""

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import padded_logits
 from gguf import quants
 
-from specjax.models import gguf_loader, quant
+from specjax.models import gguf_loader, loader, quant
+from specjax.serving.engine import Engine
 
 # byte offsets of each type's fp16 scale fields: random bytes there could be inf/nan, which compare
 # unequal to themselves; they are drawn as finite fp16 instead
@@ -97,3 +99,44 @@ def test_packed_weight_is_a_pytree_with_static_type():
     leaves, tree = jax.tree.flatten(w)
     assert len(leaves) == 1 and leaves[0].dtype == jnp.uint8
     assert jax.tree.unflatten(tree, leaves).qtype == "Q8_0"
+
+
+# ---- the loader's weights="packed" ----------------------------------------------------------------
+
+
+def test_loader_refuses_unknown_weights_mode(smollm2_path):
+    with pytest.raises(ValueError, match="weights='int3'.*'packed'"):
+        loader.load(str(smollm2_path), weights="int3")
+
+
+@pytest.fixture(scope="module")
+def smollm2_packed(smollm2_path):
+    return loader.load(str(smollm2_path), weights="packed")
+
+
+def test_smollm2_packed_holds_blocks_and_counts_their_bytes(smollm2_packed, smollm2):
+    wq = smollm2_packed.model.layers[0].attn.wq
+    assert wq[...].dtype == jnp.uint8 and wq.get_metadata()["packed"][0] == "Q4_1"
+    # the Q4_1 projections (106.2M weights) stay 5 bits a weight; the Q8_0 embedding is fp32 in both
+    saved = loader.weight_bytes(smollm2.model) - loader.weight_bytes(smollm2_packed.model)
+    assert saved == pytest.approx(106.2e6 * (4 - 20 / 32), rel=0.01)
+
+
+def test_smollm2_packed_logits_and_greedy_equal_dequantized(smollm2_packed, smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    a, b = padded_logits(smollm2_packed.model, [ids]), padded_logits(smollm2.model, [ids])
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+    (ours,) = Engine(smollm2_packed.model, smollm2_packed.tokenizer).generate([ids], max_new_tokens=16, stop_ids=())
+    (ref,) = Engine(smollm2.model, smollm2.tokenizer).generate([ids], max_new_tokens=16, stop_ids=())
+    assert len(ref.tokens) == 16 and ours.tokens == ref.tokens
+
+
+def test_gemma3_packed_logits_equal_dequantized(gemma3_path):
+    ids = [2, 818, 5279, 529, 7001, 563]
+    packed = loader.load(str(gemma3_path), weights="packed")
+    assert {p.get_metadata()["packed"][0] for p in (packed.model.layers[0].attn.wq, packed.model.layers[0].mlp.w_down,
+                                                   packed.model.layers[1].mlp.w_down)} >= {"Q5_0"}
+    a = padded_logits(packed.model, [ids])
+    del packed
+    b = padded_logits(loader.load(str(gemma3_path)).model, [ids])
+    np.testing.assert_array_equal(_bits(a), _bits(b))

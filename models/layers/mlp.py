@@ -36,7 +36,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         dt = self.dtype
-        gate, up = linear.dense_many(x, (self.w_gate[...].astype(dt), self.w_up[...].astype(dt)), self.layout)
+        ws = (params.weight(self.w_gate, dt, self.layout), params.weight(self.w_up, dt, self.layout))
+        gate, up = linear.dense_many(x, ws, self.layout)
         h = activation(self.activation)(gate) * up
         h = sharding.constrain(h, ("batch", None, "ffn"))
-        return linear.dense(h, self.w_down[...].astype(dt), self.layout)
+        return linear.dense(h, params.weight(self.w_down, dt, self.layout), self.layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from specjax.models import linear
+from specjax.models import linear, quant
 from specjax.models.config import ModelConfig
 
 
@@ -24,3 +24,18 @@ def dense(rngs: nnx.Rngs, k: int, n: int, config: ModelConfig, scale: float, axe
     w = jax.random.normal(rngs.params(), (k, n), config.weight_dtype) * scale
     layout = config.weight_layout
     return nnx.Param(linear.to_layout(w, layout), axes=linear.axes(*axes, layout), dense_layout=layout, **meta)
+
+
+def weight(p: nnx.Param, dtype, layout: str):
+    """A projection weight as `linear.dense` takes it, in `layout`, cast to `dtype` (None: as stored;
+    fp32 for a packed one). A GGUF weight
+    kept packed (metadata `packed=(qtype, N, K)`, its value the file's uint8 blocks, `quant.PackedWeight`)
+    is dequantized here, in the graph, to gguf's fp32 values bit for bit; it is stored `[N, K]`."""
+    packed = p.get_metadata().get("packed")
+    if packed is None:
+        w = p[...]
+    else:
+        qtype, n, k = packed
+        w = quant.dequantize(p[...], qtype, (n, k))
+        w = w if linear.check_layout(layout) == "nk" else w.T
+    return w if dtype is None else w.astype(dtype)
