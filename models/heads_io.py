@@ -9,7 +9,7 @@ The manifest says what the heads belong to: the target model's name and `weights
 `HeadsConfig` fields (K = num_heads), the training data and steps, and the measured accuracies.
 `load_heads` refuses heads trained for another model with a message that names both.
 
-Training checkpoints live in `specjax.train_heads.checkpoint` (inference never imports training).
+Training checkpoints live in `train_heads.checkpoint` (inference never imports training).
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ def test_the_cli_keeps_compiled_programs_under_the_specjax_cache(monkeypatch, tm
 ])
 def test_recycle_commands_refuse_bad_flags_before_any_work(argv, match, monkeypatch, capsys, tmp_path):
     """`warm-recycle` and `tune-recycle` check their flags before a model loads."""
-    from specjax.train_heads import recycle
+    from train_heads import recycle
 
     for name in ("warm", "tune"):
         monkeypatch.setattr(recycle, name, lambda *a, **k: pytest.fail("started before checking"))

@@ -15,7 +15,7 @@ from specjax.serving.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.methods.eagle.proposer import EagleProposer
-from specjax.train_heads import eagle as train
+from train_heads import eagle as train
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
 NEW = 32

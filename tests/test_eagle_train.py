@@ -12,7 +12,7 @@ from flax import nnx
 
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.train_heads import eagle as train
+from train_heads import eagle as train
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_cli_rejects_bad_eagle_input_before_work(tmp_path, capsys, monkeypatch, 
 
 def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model):
     """Prompt ids + the cached greedy answer, masked on the answer, cut to seq_len."""
-    from specjax.train_heads import data
+    from train_heads import data
 
     answers = [np.array([7, 8, 9], np.int32), np.array([4, 5], np.int32)]
     rows = data.TokenData(np.zeros((5, 4), np.float16), np.concatenate(answers), np.array([0, 3, 5]))

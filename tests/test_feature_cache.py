@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from specjax.models.eagle import EagleConfig
-from specjax.train_heads import cache as fc
-from specjax.train_heads import eagle as train
+from train_heads import cache as fc
+from train_heads import eagle as train
 
 
 def corpus(n: int, seed: int, lo: int = 5, hi: int = 30):
@@ -199,8 +199,8 @@ def test_medusa_heads_train_from_the_cache(tiny_model, tmp_path):
     import types
 
     from specjax.models.heads import HeadsConfig
-    from specjax.train_heads import checkpoint
-    from specjax.train_heads.train import TrainConfig, _train_heads_from_cache
+    from train_heads import checkpoint
+    from train_heads.train import TrainConfig, _train_heads_from_cache
 
     fc.extract(tiny_model, corpus(12, 7, lo=16, hi=30), tmp_path / "cache", meta=dict(model="tiny", weights_id="w"),
                shard_size=6, batch_size=4, multiple=8, progress=False, log=lambda m: None)

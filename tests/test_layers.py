@@ -14,14 +14,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def installed_layout(into: pathlib.Path) -> pathlib.Path:
-    """The packages as installed (pyproject's package-dir: models/ is specjax.models, train_heads/ is
-    specjax.train_heads) under `into`: specjax/ copied (a test may edit the copy), the others linked.
-    The linter walks directories, and in the checkout specjax/ holds neither."""
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    """The packages as installed under `into`: specjax/ copied (a test may edit the copy), models/
+    linked as specjax.models (pyproject's package-dir), and every other top-level package of
+    `[tool.setuptools] packages` (train_heads/) linked under its own name. The linter walks
+    directories, and in the checkout specjax/ holds neither models/ nor train_heads/."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = setuptools["package-dir"]
     shutil.copytree(ROOT / dirs["specjax"], into / "specjax", ignore=shutil.ignore_patterns("__pycache__"))
     for package, folder in dirs.items():
         if package != "specjax":
             (into / package.replace(".", "/")).symlink_to(ROOT / folder)
+    for package in setuptools["packages"]:
+        if "." not in package and package not in dirs:
+            (into / package).symlink_to(ROOT / package)
     return into
 
 

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("specjax", "models", "train_heads")  # models/ is specjax.models, train_heads/ specjax.train_heads
+PACKAGES = ("specjax", "models", "train_heads")  # models/ is specjax.models
 
 # The alphabet of type hints (see the docstring of specjax.models.llama for each name's meaning).
 DIMS = {"B", "T", "S", "N", "G", "Kv", "H", "D", "F", "V", "L", "K",

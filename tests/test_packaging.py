@@ -1,7 +1,7 @@
 """The wheel holds every Python package in the repository: `[tool.setuptools] packages` lists each folder
-with an `__init__.py` under its installed name (models/ is specjax.models, train_heads/ is
-specjax.train_heads). A folder missing from the list still imports in an editable install, and is absent
-from a wheel."""
+with an `__init__.py` under its installed name (models/ is specjax.models through package-dir;
+train_heads/ is the top-level package train_heads). A folder missing from the list still imports in
+an editable install, and is absent from a wheel."""
 
 import subprocess
 import tomllib
@@ -10,12 +10,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def package_roots(setuptools: dict) -> dict[str, str]:
+    """Package -> folder: pyproject's package-dir, and each other top-level package (train_heads) in
+    the folder of its own name."""
+    roots = dict(setuptools["package-dir"])
+    roots.update({name: name for name in setuptools["packages"] if "." not in name and name not in roots})
+    return roots
+
+
 def test_every_package_folder_is_listed_for_the_wheel():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(setuptools["packages"])
+    roots = package_roots(setuptools)
     found = {
         ".".join((name, *init.parent.relative_to(ROOT / path).parts))
-        for name, path in setuptools["package-dir"].items()
+        for name, path in roots.items()
         for init in (ROOT / path).rglob("__init__.py")
     }
     assert found - listed == set(), f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
@@ -27,7 +36,7 @@ def test_every_data_file_in_a_package_is_package_data():
     and prompt sets) is matched by `[tool.setuptools.package-data]`: otherwise a wheel lacks it, and an
     editable install, reading the checkout, does not show it."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = setuptools["package-dir"]
+    dirs = package_roots(setuptools)
 
     def folder(package: str) -> Path:  # pyproject's package-dir: the longest mapped prefix
         top = max((p for p in dirs if package == p or package.startswith(p + ".")), key=len)

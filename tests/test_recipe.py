@@ -12,7 +12,7 @@ from flax import nnx
 
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.train_heads import eagle as train
+from train_heads import eagle as train
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def test_fused_per_tap_norm_and_regression_target(tiny_config, tiny_model):
 
 
 def test_vocabulary_coverage_per_task_class():
-    from specjax.train_heads import coverage
+    from train_heads import coverage
 
     answers = {"math": [np.array([1, 2, 3]), np.array([3, 3])], "qa": [np.array([7, 8])]}
     ranked = np.array([3, 7, 1, 2, 8])
@@ -200,7 +200,7 @@ def test_new_recipe_heads_decode_exactly_like_plain(tiny_model, tmp_path, featur
     target's own continuations: greedy chain and dynamic tree, batch 3, equal plain, drafts accepted."""
     from specjax.methods.config import SpecConfig
     from specjax.serving.engine import Engine
-    from specjax.train_heads import cache as fc
+    from train_heads import cache as fc
 
     eng = Engine(tiny_model)
     rng = np.random.default_rng(0)

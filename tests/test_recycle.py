@@ -285,7 +285,7 @@ def test_warm_start_round_trip_and_refusals(tiny_model, tmp_path):
 def test_warm_start_from_the_targets_own_answer_drafts_on_the_first_request(tiny_model, tmp_path):
     """`warm` on one prompt, then that prompt in a fresh engine: its drafts are accepted more often
     than cold, output unchanged; `recycle_warm="cold"` ignores the loaded warm start."""
-    from specjax.train_heads import recycle as warm_recycle
+    from train_heads import recycle as warm_recycle
 
     eng = Engine(tiny_model)
     spec = RecycleSpec(vocab=tiny_model.config.vocab_size, k=8, table=1 << 10)

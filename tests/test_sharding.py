@@ -481,8 +481,8 @@ def test_two_processes_equal_one_device(reference, tmp_path):
 def test_head_training_resumes_across_a_change_of_mesh(tiny_model, tmp_path):
     """Trained on (4,2) (an own projection: vocab-sized, split over `model`, Adam's moments alike),
     checkpointed sharded, restored on (8,1) and on one device with equal values, and trained on."""
-    from specjax.train_heads import data
-    from specjax.train_heads.train import Trainer, TrainConfig
+    from train_heads import data
+    from train_heads.train import Trainer, TrainConfig
 
     rng = np.random.default_rng(0)
     seqs = (rng.integers(0, 8, (16, 1)) + np.arange(20)[None, :]) % 8

@@ -32,7 +32,7 @@ def test_every_tool_is_exercised_by_a_test(tool):
 
 def test_package_tree_imports_the_checkout_as_installed(tmp_path):
     """compare_commits' tree (also used by scheduler_host_cost and the accelerator route) maps models/ to
-    specjax.models and train_heads/ to specjax.train_heads, as pyproject's package-dir does."""
+    specjax.models, as pyproject's package-dir does, and links train_heads/ as its own top-level package."""
     out = run(sys.executable, "tools/compare_commits.py", "HEAD", "--methods", "bogus")
     assert out.returncode == 2 and "give some of none,ngram" in out.stderr, out.stderr
     out = run(sys.executable, "tools/compare_commits.py", "HEAD", "--methods", "auto")
@@ -40,7 +40,7 @@ def test_package_tree_imports_the_checkout_as_installed(tmp_path):
     code = ("import pathlib, sys; sys.path.insert(0, 'tools'); from compare_commits import _package_tree; "
             f"_package_tree(pathlib.Path('.').resolve(), pathlib.Path({str(tmp_path)!r}))")
     assert run(sys.executable, "-c", code).returncode == 0
-    probe = "import specjax.models.config as m, specjax.train_heads as t; print(m.__file__); print(t.__file__)"
+    probe = "import specjax.models.config as m, train_heads as t; print(m.__file__); print(t.__file__)"
     out = run(sys.executable, "-c", probe, env=dict(PYTHONPATH=str(tmp_path)), cwd=tmp_path)  # not the checkout's
     assert out.returncode == 0, out.stderr
     models_file, heads_file = out.stdout.split()

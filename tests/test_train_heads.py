@@ -12,9 +12,9 @@ from flax import nnx
 
 from specjax.cli import commands as cli
 from specjax.models import catalog
-from specjax.train_heads import checkpoint, data
+from train_heads import checkpoint, data
 from specjax.models.heads import HeadsConfig, MedusaHeads
-from specjax.train_heads.train import Trainer, TrainConfig, batch_rows
+from train_heads.train import Trainer, TrainConfig, batch_rows
 
 CYCLE = 8  # synthetic task: token t + 1 = (token t + 1) % CYCLE
 
@@ -265,7 +265,7 @@ def test_sharegpt_fetch_failure_names_the_fix(tmp_path, monkeypatch):
     (["--max-new-tokens", "1"], "max-new-tokens"),
 ])
 def test_cli_rejects_bad_input_before_work(tmp_path, capsys, monkeypatch, argv, message):
-    import specjax.train_heads.train as train_mod
+    import train_heads.train as train_mod
 
     monkeypatch.setattr(train_mod, "train_heads", lambda *a, **k: pytest.fail("validation came too late"))
     assert cli.main(["train-heads", "--out", str(tmp_path), *argv]) == 2

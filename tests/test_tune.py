@@ -4,9 +4,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax.train_heads.data import TokenData
+from train_heads.data import TokenData
 from specjax.models.heads import HeadsConfig, MedusaHeads
-from specjax.train_heads.tune import frequent_tokens, rank_accuracy
+from train_heads.tune import frequent_tokens, rank_accuracy
 
 
 def test_frequent_tokens_orders_by_count_then_id():

@@ -22,7 +22,7 @@ machine, the second within its warm window (files outside $OUT stay there betwee
 The heads come back under <files_at>/heads/head-<updates> (each loadable with `--eagle`), with
 metrics.jsonl and report.json (the time of each stage). Their acceptance counts in the live loop:
 
-    .venv/bin/python -m specjax.train_heads.learning_curve bench curve.json \\
+    .venv/bin/python -m train_heads.learning_curve bench curve.json \\
         ../shared/data/specbench-dev.jsonl <files_at>/heads/head-1000,<files_at>/heads/head-3000
 
 `train` runs anywhere (tests run it on CPU with a tiny budget); it never needs a tokenizer.
@@ -49,10 +49,11 @@ MODEL_PARTS = 2
 
 def _importable_specjax() -> None:
     """Makes `specjax` importable from this working tree when it is not installed (the device machine
-    gets a copy of the repository, not an install): pyproject maps `specjax.models` to `models/` and
-    `specjax.train_heads` to `train_heads/`, so a package of links is built in a temporary directory."""
+    gets a copy of the repository, not an install): pyproject maps `specjax.models` to `models/`, so a
+    package of links is built in a temporary directory, with `train_heads/` linked beside it."""
     try:
         import specjax.models  # noqa: F401
+        import train_heads  # noqa: F401
         return
     except ImportError:
         pass
@@ -64,7 +65,7 @@ def _importable_specjax() -> None:
     spec.loader.exec_module(compare_commits)  # its package tree is the one mapping of the layout
     tree = pathlib.Path(tempfile.mkdtemp(prefix="specjax-tree-"))
     compare_commits._package_tree(ROOT, tree)
-    for name in [m for m in sys.modules if m == "specjax" or m.startswith("specjax.")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("specjax", "train_heads")]:
         del sys.modules[name]
     sys.path.insert(0, str(tree))
 
@@ -91,7 +92,7 @@ def pack(stage, *, model="smollm2-135m", conversations=3000, self_prompts=2000, 
 
     from specjax.serving.engine import Engine
     from specjax.models import catalog
-    from specjax.train_heads import data, eagle
+    from train_heads import data, eagle
 
     stage = pathlib.Path(stage)
     if stage.exists():
@@ -185,7 +186,7 @@ def train(stage, out, *, minutes=8.0, budgets=(500, 1500, 3000), batch_size=16, 
     _importable_specjax()
     import jax
 
-    from specjax.train_heads import cache, learning_curve
+    from train_heads import cache, learning_curve
 
     t_start = time.perf_counter()
     missing = [n for n in ("manifest.json", "ids.npz", *(f"model.gguf.part{i}" for i in range(MODEL_PARTS)))

@@ -1,8 +1,8 @@
 """Side-by-side regression check of two commits in one run: plain and every method, same prompts.
 
 Each commit is checked out into a temporary worktree and imported from a symlink tree that mirrors
-the installed package layout (specjax/, specjax/models -> models/, specjax/train_heads ->
-train_heads/). Workers for the two commits alternate (A B, then B A, ...), each in its own process,
+the installed package layout (specjax/, specjax/models -> models/, and train_heads/ beside them;
+also specjax/train_heads for commits from before it was a top-level package). Workers for the two commits alternate (A B, then B A, ...), each in its own process,
 so drift on a busy machine spreads over both. Per commit and method: tokens per second (wall time
 includes time to first token, compile excluded), tau, time to first token and compile time.
 
@@ -37,7 +37,8 @@ def _package_tree(worktree: pathlib.Path, into: pathlib.Path) -> None:
     for entry in (worktree / "specjax").iterdir():
         (pkg / entry.name).symlink_to(entry)
     (pkg / "models").symlink_to(worktree / "models")
-    (pkg / "train_heads").symlink_to(worktree / "train_heads")
+    (into / "train_heads").symlink_to(worktree / "train_heads")  # a top-level package
+    (pkg / "train_heads").symlink_to(worktree / "train_heads")  # commits before it was one import specjax.train_heads
 
 
 def worker(args) -> None:

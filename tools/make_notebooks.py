@@ -204,8 +204,8 @@ import numpy as np
 from specjax import Engine, SpecConfig
 from specjax.models.heads import HeadsConfig
 from specjax.bench.prompts import read_prompts
-from specjax.train_heads.data import TokenData, teacher_force
-from specjax.train_heads.train import TrainConfig, Trainer
+from train_heads.data import TokenData, teacher_force
+from train_heads.train import TrainConfig, Trainer
 
 eng = Engine.load("smollm2-135m")
 texts = [p.text for p in read_prompts("ops", tasks=("config",))[:8]]  # the shipped ops set's configuration requests

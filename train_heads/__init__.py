@@ -1,1 +1,1 @@
-"""Medusa head training (installed as specjax.train_heads)."""
+"""Medusa head training (installed as train_heads)."""

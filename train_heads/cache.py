@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
-from specjax.train_heads.data import TokenData, atomic_write, permutation
+from train_heads.data import TokenData, atomic_write, permutation
 
 FORMAT = "specjax-feature-cache/1"
 INDEX = "index.json"
@@ -102,8 +103,6 @@ def extract(model: nnx.Module, items: Sequence[tuple[np.ndarray, np.ndarray]], o
 
     Returns the index. Prints the throughput (positions per second of target forward).
     """
-    from tqdm import tqdm
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
     if shard_size < 1 or batch_size < 1 or multiple < 1:

@@ -136,7 +136,7 @@ class ResumableRun:
 
     A subclass sets `params`, `opt_state`, `step`, `elapsed` (training seconds), `run` (the settings
     a resumed run must match), `ckpts` (`TrainCheckpoints`) and `out`, and may set `loader` (an
-    object with `state()` and `restore(state)`, e.g. `specjax.train_heads.cache.EpochLoader`),
+    object with `state()` and `restore(state)`, e.g. `train_heads.cache.EpochLoader`),
     whose position is saved in every checkpoint and restored with it.
     """
 

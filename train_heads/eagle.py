@@ -4,7 +4,7 @@ Data: complete ShareGPT conversations rendered with the target's chat template, 
 tokens; the loss is taken where the predicted token is an assistant token. The target's side of
 each position (its features, final hidden state, log-sum-exp and argmax) comes either from the
 frozen target run inside the jitted step (`Sequences`) or from a feature cache written once by
-`specjax.train_heads.cache.extract` (`CachedSequences`, many times faster per step); both feed the
+`train_heads.cache.extract` (`CachedSequences`, many times faster per step); both feed the
 same loss. The target's distribution over the draft vocabulary is rebuilt from its final hidden
 state at t + 1 by the frozen LM head's rows: p = exp(h W_ids - lse).
 
@@ -48,11 +48,15 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
 
 from specjax.models import eagle as eagle_model
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.train_heads.checkpoint import ResumableRun, TrainCheckpoints
+from specjax.serving.engine import Engine
+from train_heads import cache as feature_cache, data as distilled
+from train_heads.cache import CachedSequences, EpochLoader
+from train_heads.checkpoint import ResumableRun, TrainCheckpoints
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -174,11 +178,9 @@ def encode_conversation(tokenizer, messages: list[dict], seq_len: int) -> tuple[
 
 def sharegpt_sequences(tokenizer, n: int, seq_len: int, *, path=None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The first `n` usable ShareGPT conversations (at least 8 assistant tokens), encoded."""
-    from specjax.train_heads import data
-
-    text = pathlib.Path(path or data.sharegpt_path()).read_text(encoding="utf-8")
+    text = pathlib.Path(path or distilled.sharegpt_path()).read_text(encoding="utf-8")
     count = 0
-    for conv in data.iter_conversations(text):
+    for conv in distilled.iter_conversations(text):
         msgs = messages_of(conv)
         if msgs is None:
             continue
@@ -195,19 +197,17 @@ def self_distilled_sequences(engine, n: int, seq_len: int, *, max_new_tokens: in
                              max_prompt_tokens: int = 256, batch_size: int = 16,
                              log=print) -> list[tuple[np.ndarray, np.ndarray]]:
     """Prompt + the target's own greedy answer for the first `n` ShareGPT prompts (the Medusa
-    pipeline's cached self-distillation, `specjax.train_heads.data.build`), masked on the answer.
+    pipeline's cached self-distillation, `train_heads.data.build`), masked on the answer.
 
     What the head drafts at inference is the target's own text, which is far more predictable than
     ShareGPT's human-written answers; generating it costs ~20x teacher forcing here.
     """
-    from specjax.train_heads import data
-
-    out = data.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
+    out = distilled.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
                            max_prompt_tokens=max_prompt_tokens)
-    data.build(engine, out, conversations=n, max_new_tokens=max_new_tokens, batch_size=batch_size,
+    distilled.build(engine, out, conversations=n, max_new_tokens=max_new_tokens, batch_size=batch_size,
                max_prompt_tokens=max_prompt_tokens, log=log)
-    rows, index = data.load(out)
-    prompts = data.select_prompts(engine, n, max_prompt_tokens=max_prompt_tokens)
+    rows, index = distilled.load(out)
+    prompts = distilled.select_prompts(engine, n, max_prompt_tokens=max_prompt_tokens)
     items = []
     for c, (_, ids) in enumerate(prompts):
         answer = rows.tokens[rows.starts[c]: rows.starts[c + 1]]
@@ -407,8 +407,6 @@ class EagleTrainer(ResumableRun):
     def __init__(self, config: EagleConfig, target, train, held_out, draft_ids,
                  out: str | pathlib.Path, cfg: EagleTrainConfig, *, run_info: dict | None = None,
                  init: EagleHead | None = None):
-        from specjax.train_heads.cache import CachedSequences, EpochLoader
-
         self.devices = jax.devices()
         if cfg.batch_size % len(self.devices):
             raise ValueError(f"batch_size={cfg.batch_size} does not divide over {len(self.devices)} devices: "
@@ -474,8 +472,6 @@ class EagleTrainer(ResumableRun):
 
     def fit(self, *, stop_at: int | None = None, max_seconds: float | None = None, progress: bool = True) -> dict:
         """Trains to `stop_at` (default: all steps) or until `max_seconds` pass; returns held-out metrics."""
-        from tqdm import tqdm
-
         cfg = self.cfg
         end = min(cfg.steps, stop_at or cfg.steps)
         t_start = time.perf_counter()
@@ -545,10 +541,7 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
                   dtype: str = "bfloat16", shard_size: int = 64, batch_size: int = 4, multiple: int = 256,
                   max_minutes: float | None = None, progress: bool = True, log=print) -> dict:
     """`specjax train-heads extract`: the corpus's target side into a feature cache at `out`
-    (`specjax.train_heads.cache`); run again to resume. Returns the index."""
-    from specjax.serving.engine import Engine
-    from specjax.train_heads import cache
-
+    (`train_heads.cache`); run again to resume. Returns the index."""
     engine = Engine.load(model)
     taps = ()
     if features == "fused":
@@ -566,7 +559,7 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
         deadline = time.perf_counter() + 60 * max_minutes
         index = None
         while time.perf_counter() < deadline:
-            index = cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype,
+            index = feature_cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype,
                                   shard_size=shard_size, batch_size=batch_size, multiple=multiple,
                                   max_shards=per_shard or 1,
                                   progress=progress, log=log)
@@ -574,15 +567,13 @@ def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt"
             if index["complete"]:
                 break
         return index
-    return cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype, shard_size=shard_size,
+    return feature_cache.extract(engine.model, items, out, meta=meta, taps=taps, dtype=dtype, shard_size=shard_size,
                          batch_size=batch_size, multiple=multiple, progress=progress, log=log)
 
 
 def _training_data(engine, fc, data: str, cfg: EagleTrainConfig, conversations: int | None,
                    eval_conversations: int, log):
     """(train, held out, source): from the feature cache `fc`, or the corpus `data` read now."""
-    from specjax.train_heads import cache as feature_cache
-
     if fc is not None:
         n_all = len(fc) if conversations is None else min(len(fc), eval_conversations + conversations)
         if n_all <= eval_conversations:
@@ -636,9 +627,6 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
       vocab: how the draft vocabulary is ranked: "target" (the target's own argmax at the positions
         that train; needs `cache`, its default) or "data" (the training tokens; default without).
     """
-    from specjax.serving.engine import Engine
-    from specjax.train_heads import cache as feature_cache
-
     vocab = vocab or ("target" if cache is not None else "data")
     if vocab not in ("target", "data"):
         raise ValueError(f"vocab={vocab!r}: use 'target' or 'data'")

@@ -1,11 +1,11 @@
 """A learning curve for EAGLE heads: one run from a feature cache with a head saved at each budget, then
 live-loop acceptance and tau of each head on a prompt file (plain decoding in the same process).
 
-    python -m specjax.train_heads.learning_curve train CACHE OUT 50,100,200,400 \\
+    python -m train_heads.learning_curve train CACHE OUT 50,100,200,400 \\
         [--draft-vocab 4096 --batch-size 1 --seq-len 512 --unroll 2 --lr 1e-3 --eval 4]
-    python -m specjax.train_heads.learning_curve bench OUT.json PROMPTS.jsonl HEAD_DIR[,HEAD_DIR...] \\
+    python -m train_heads.learning_curve bench OUT.json PROMPTS.jsonl HEAD_DIR[,HEAD_DIR...] \\
         [--per-task 2 --k 3 --max-new-tokens 128]
-    python -m specjax.train_heads.learning_curve plot docs/plots/eagle_learning_curve.json \\
+    python -m train_heads.learning_curve plot docs/plots/eagle_learning_curve.json \\
         docs/plots/eagle_learning_curve.png
 
 Heads land in OUT/head-<updates>/ (loadable with `--eagle`); training metrics in OUT/metrics.jsonl.
@@ -21,6 +21,14 @@ import time
 
 import numpy as np
 
+from specjax.bench import offline as b
+from specjax.bench.prompts import read_prompts
+from specjax.methods.config import SpecConfig
+from specjax.models import eagle_io
+from specjax.models.eagle import EagleConfig
+from specjax.serving.engine import Engine, GenerateOptions
+from train_heads import cache as fc, eagle as tr
+
 
 def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=512, unroll=2, lr=1e-3,
           n_eval=4, model="smollm2-135m", deadline: float | None = None, log=print) -> list[dict]:
@@ -28,14 +36,8 @@ def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=51
     `name` and `weights_id`, such as an `Engine`: the accelerator route loads one without a tokenizer).
     `deadline` (a `time.perf_counter()` value): training stops there, checkpointed, and the head of the
     budget it reached is saved as `head-<updates>`; later budgets are skipped."""
-    from specjax.models import eagle_io
-    from specjax.models.eagle import EagleConfig
-    from specjax.train_heads import cache as fc, eagle as tr
-
     out = pathlib.Path(out)
     if isinstance(model, (str, pathlib.Path)):
-        from specjax.serving.engine import Engine
-
         engine = Engine.load(str(model))
     else:
         engine = model
@@ -80,11 +82,6 @@ def train(cache_dir, out, budgets, *, draft_vocab=4096, batch_size=1, seq_len=51
 
 def bench(out_json, prompts_file, heads, *, per_task=2, k=3, max_new_tokens=128, model="smollm2-135m",
           log=print) -> dict:
-    from specjax.bench import offline as b
-    from specjax.methods.config import SpecConfig
-    from specjax.serving.engine import Engine, GenerateOptions
-    from specjax.bench.prompts import read_prompts
-
     engine = Engine.load(model)
     prompts = read_prompts(prompts_file, per_task=per_task)
     opts = GenerateOptions(max_new_tokens=max_new_tokens)

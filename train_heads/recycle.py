@@ -16,7 +16,7 @@ tree of at most `DEFAULT_NODES` nodes) with the best expected tokens per second
     specjax warm-recycle --prompts-file P.jsonl --out DIR
     specjax tune-recycle DIR --prompts-file P.jsonl
 
-(`python -m specjax.train_heads.recycle warm|tune` runs the same.)
+(`python -m train_heads.recycle warm|tune` runs the same.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import pathlib
+import platform
 import statistics
 import sys
 import time
@@ -32,6 +34,16 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+
+from specjax.bench.offline import SYNTHETIC_PROMPT
+from specjax.bench.prompts import read_prompts
+from specjax.core import shared as shared_state
+from specjax.core.decoder import Decoder, Inputs, cache_length
+from specjax.methods import tree_search
+from specjax.methods.config import SpecConfig
+from specjax.methods.recycle import assets
+from specjax.methods.recycle.matrix import RecycleSpec
+from specjax.serving.engine import Engine, GenerateOptions
 
 DEFAULT_NODES = 16  # the default tree: at most this many nodes
 MEASURE_TREE_NODES = 64
@@ -52,9 +64,6 @@ def sequences(engine, prompts: list[str], *, max_new_tokens: int, batch_size: in
 
 def write(engine, seqs: list[list[int]], spec, *, tokens_per_batch: int = 4096):
     """The recycling state after a prefill over every sequence, in order (batches of one bucket)."""
-    from specjax.core import shared as shared_state
-    from specjax.core.decoder import Decoder, Inputs, cache_length
-
     parts = shared_state.init((spec,))
     for bucket in sorted({engine.bucket_for(len(s)) for s in seqs}):
         group = [s for s in seqs if engine.bucket_for(len(s)) == bucket]
@@ -76,10 +85,6 @@ def _prefill_parts(graphdef, params, inputs, parts, *, dec):
 def warm(model: str, prompts: list[str], out, *, k: int = 8, order: int = 2, table: int = 1 << 16,
          max_new_tokens: int = 128, batch_size: int = 8, source: str = "", log=print) -> dict:
     """Warms a matrix on `prompts` and saves it to `out`; returns its manifest."""
-    from specjax.methods.recycle import assets
-    from specjax.methods.recycle.matrix import RecycleSpec
-    from specjax.serving.engine import Engine
-
     engine = Engine.load(model)
     spec = RecycleSpec(vocab=engine.config.vocab_size, k=k, order=order, table=table)
     seqs = sequences(engine, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, log=log)
@@ -103,16 +108,12 @@ def measurement_tree(nodes: int = MEASURE_TREE_NODES, depth: int = 8, ranks: int
     """The wide template whose nodes' acceptance `tune` measures: the best tree of `nodes` under a
     prior that halves with each rank and thins with depth (every smaller tree `tune` picks is a
     subtree of it)."""
-    from specjax.methods import tree_search
-
     acc = np.array([[0.7 * 0.55 ** r for r in range(ranks)] for _ in range(depth)])
     return tree_search.best_tree(acc, nodes)
 
 
 def node_rates(engine, prompts: list[str], template, *, max_new_tokens: int, log=print) -> np.ndarray:
     """How often each node of `template` was kept per step, greedy, over `prompts` (chat)."""
-    from specjax.methods.config import SpecConfig
-
     spec = SpecConfig.make("recycle", tree=template)
     kept, steps = np.zeros(len(template)), 0
     for i, p in enumerate(prompts):
@@ -127,10 +128,6 @@ def step_costs(engine, templates: dict[int, tuple], *, steps: int = 48, repeats:
     """Seconds per decode step of recycling with each template (window = nodes + 1; drafting and the
     matrix's update included), relative to a plain step, on this machine: the median of `repeats`
     runs, taken in turns so that drift spreads over all of them."""
-    from specjax.bench.offline import SYNTHETIC_PROMPT
-    from specjax.methods.config import SpecConfig
-    from specjax.serving.engine import GenerateOptions
-
     specs = {1: SpecConfig(), **{len(t) + 1: SpecConfig.make("recycle", tree=t, recycle_warm="cold")
                                  for t in templates.values()}}
     opts = GenerateOptions(max_new_tokens=steps, stop_ids=())
@@ -150,11 +147,6 @@ def tune(directory, model: str, prompts: list[str], *, max_new_tokens: int = 128
     """Measures per-node acceptance and window costs here; writes the chosen chain and tree (the
     default tree at most `default_nodes` nodes; the best of every size in `sizes` beside it) to
     `tuning.json` beside the warm start at `directory`."""
-    import platform
-
-    from specjax.methods import tree_search
-    from specjax.methods.recycle import assets
-    from specjax.serving.engine import Engine
 
     engine = Engine.load(model)
     engine.load_asset("recycle", str(directory))
@@ -188,15 +180,13 @@ def tune(directory, model: str, prompts: list[str], *, max_new_tokens: int = 128
                    chain={str(w): round(c, 4) for w, c in chain_cost.items()}),
         acceptance=[dict(path=list(p), kept=round(float(r), 4)) for p, r in zip(wide, rate)],
         measured=dict(prompts=len(prompts), max_new_tokens=max_new_tokens, machine=platform.machine(),
-                      cpus=__import__("os").cpu_count(), backend=jax.default_backend()))
+                      cpus=os.cpu_count(), backend=jax.default_backend()))
     (pathlib.Path(directory) / assets.TUNING).write_text(json.dumps(tuning, indent=1) + "\n")
     return tuning
 
 
 def select_prompts(files: list[str], skip: int, take: int | None) -> tuple[list[str], str]:
     """Prompts of each task class from the `skip`-th on (`take` of them, or all), in file order."""
-    from specjax.bench.prompts import read_prompts
-
     texts, names = [], []
     for f in files:
         seen: dict = {}
@@ -210,7 +200,7 @@ def select_prompts(files: list[str], skip: int, take: int | None) -> tuple[list[
 
 
 def _main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.train_heads.recycle")
+    ap = argparse.ArgumentParser(prog="python -m train_heads.recycle")
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("warm", help="warm a matrix from the target's own answers")
     t = sub.add_parser("tune", help="choose the chain and tree for this machine (tuning.json)")

@@ -13,8 +13,8 @@ position is saved in each checkpoint with the parameters and the full optimiser 
 drives the schedule), so a run killed after its last checkpoint and restarted continues as the
 uninterrupted run would. A non-finite loss stops the run with its step named, before anything is saved.
 
-The rows come from the self-distilled data (`specjax.train_heads.data`) or from a feature cache
-(`specjax.train_heads.cache.medusa_rows`, `train_heads(cache=...)`).
+The rows come from the self-distilled data (`train_heads.data`) or from a feature cache
+(`train_heads.cache.medusa_rows`, `train_heads(cache=...)`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
+from tqdm import tqdm
 
 from specjax import sharding
-from specjax.train_heads import checkpoint
-from specjax.train_heads.data import TokenData, permutation
 from specjax.models.heads import HeadsConfig, MedusaHeads
+from specjax.serving.engine import Engine
+from train_heads import cache as feature_cache, checkpoint, data
+from train_heads.data import TokenData, permutation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,9 +222,7 @@ class Trainer(checkpoint.ResumableRun):
                         rows=int(train_data.num_rows), **(run_info or {}))
         self.ckpts = checkpoint.TrainCheckpoints(self.out / "checkpoints", keep=config.keep)
         self.elapsed = 0.0
-        from specjax.train_heads.cache import EpochLoader
-
-        self.loader = EpochLoader(len(self.rows), config.batch_size, config.seed)
+        self.loader = feature_cache.EpochLoader(len(self.rows), config.batch_size, config.seed)
 
     @property
     def heads(self) -> MedusaHeads:
@@ -233,8 +233,6 @@ class Trainer(checkpoint.ResumableRun):
 
         Returns the last evaluation's metrics (empty without eval data).
         """
-        from tqdm import tqdm
-
         c = self.config
         end = min(c.steps, stop_at) if stop_at is not None else c.steps
         last_eval: dict = {}
@@ -312,9 +310,6 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
     Returns:
       The manifest saved with the heads (its `metrics` hold the held-out accuracies).
     """
-    from specjax.serving.engine import Engine
-    from specjax.train_heads import data
-
     if not 0 < eval_conversations < conversations:
         raise ValueError(f"eval_conversations={eval_conversations}: must be in [1, conversations={conversations})")
     engine = Engine.load(model)
@@ -350,8 +345,6 @@ def train_heads(model: str, out: str | pathlib.Path, *, heads: HeadsConfig | dic
 
 def _train_heads_from_cache(engine, out, heads: HeadsConfig, config: TrainConfig, cache, conversations,
                             eval_conversations: int, *, progress, log, mesh) -> dict:
-    from specjax.train_heads import cache as feature_cache
-
     fc = feature_cache.FeatureCache(cache)
     if (fc.meta.get("model"), fc.meta.get("weights_id")) != (engine.name, engine.weights_id):
         raise ValueError(f"the cache {cache} was extracted from {fc.meta.get('model')}, not {engine.name}")

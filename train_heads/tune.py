@@ -20,8 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.bench import offline
 from specjax.methods import tree_search
-from specjax.train_heads.data import TokenData
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
+from train_heads import data
+from train_heads.data import TokenData
 
 
 def rank_accuracy(heads, base, data: TokenData, *, ranks: int = 8, batch: int = 512) -> np.ndarray:
@@ -75,9 +79,6 @@ def step_costs(engine, windows=(1, 2, 3, 5, 9, 17, 33), *, vocab: np.ndarray | N
     A Medusa step is one target forward over the window plus the heads' projection; the latter is
     measured once and added to every window above 1.
     """
-    from specjax.bench import offline
-    from specjax.methods.config import SpecConfig
-
     fwd = offline.window_costs(engine.model, windows=windows)
     prop, params = engine.proposer(SpecConfig(method="medusa", k=engine.heads.module.config.num_heads))
     hidden = jnp.zeros((1, engine.config.dim), jnp.float32)
@@ -92,9 +93,6 @@ def tune(heads_dir: str | pathlib.Path, model: str = "smollm2-135m", *, vocab_si
 
     Returns a summary (accuracy by rank, subset coverage, costs, the tree and its expected speed).
     """
-    from specjax.serving.engine import Engine
-    from specjax.train_heads import data
-
     heads_dir = pathlib.Path(heads_dir)
     for f in ("vocab.json", "tree.json"):  # tune the heads themselves, not an earlier tuning
         (heads_dir / f).unlink(missing_ok=True)

@@ -14,6 +14,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+from specjax.methods.config import SpecConfig
+from specjax.serving.engine import Engine
+from train_heads import data
+from train_heads.eagle import messages_of
+
 TUNING = "tuning.json"
 VOCABS = (4096, 8192, 16384)
 CHAINS = (2, 3, 4, 5, 6)
@@ -22,9 +27,6 @@ TREES = ((3, 8, 2), (4, 12, 3), (4, 16, 4), (5, 24, 4))  # (depth, nodes, topk)
 
 def held_out_prompts(head_manifest: dict, n: int) -> list[str]:
     """First human turns of the head's held-out conversations (the first ones of the file)."""
-    from specjax.train_heads import data
-    from specjax.train_heads.eagle import messages_of
-
     held = int(head_manifest.get("data", {}).get("eval_conversations", n))
     text = pathlib.Path(data.sharegpt_path()).read_text(encoding="utf-8")
     out = []
@@ -41,8 +43,6 @@ def held_out_prompts(head_manifest: dict, n: int) -> list[str]:
 
 def measure(engine, prompts: list[str], specs: dict, *, max_new_tokens: int, repeats: int = 1) -> dict:
     """tok/s and tau of each spec on `prompts` (plain included as "none"), interleaved per prompt."""
-    from specjax.methods.config import SpecConfig
-
     specs = {"none": SpecConfig(), **specs}
     for s in specs.values():  # compile outside the timing
         engine.generate(prompts[:1], chat=True, max_new_tokens=max_new_tokens, spec=s)
@@ -64,9 +64,6 @@ def measure(engine, prompts: list[str], specs: dict, *, max_new_tokens: int, rep
 def tune(eagle_dir: str | pathlib.Path, model: str = "smollm2-135m", *, prompts: int = 6,
          max_new_tokens: int = 96, log=print) -> dict:
     """Measures the candidates and writes `tuning.json` beside the head; returns what it wrote."""
-    from specjax.methods.config import SpecConfig
-    from specjax.serving.engine import Engine
-
     eagle_dir = pathlib.Path(eagle_dir)
     (eagle_dir / TUNING).unlink(missing_ok=True)
     engine = Engine.load(model, eagle=str(eagle_dir))

@@ -1,11 +1,19 @@
 """`specjax train-heads coverage`: the draft vocabularies' share of the target's greedy tokens, per
-task class (`specjax.train_heads.coverage`)."""
+task class (`train_heads.coverage`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+
+import numpy as np
+
+from specjax.bench.prompts import read_prompts
+from specjax.models import eagle_io
+from specjax.serving.engine import Engine
+from train_heads import cache as feature_cache, coverage
+from train_heads.eagle import draft_vocabulary
 
 SIZES = (4096, 8192, 16384)
 
@@ -19,28 +27,17 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 def _rankings(args: argparse.Namespace, fc, vocab_size: int) -> dict:
     """Each draft vocabulary, most frequent first: ranked from the cache, and `--eagle`'s."""
-    import numpy as np
-
-    from specjax.train_heads import cache as feature_cache
-    from specjax.train_heads.eagle import draft_vocabulary
-
     ids = range(len(fc))
     tokens = np.concatenate([fc.sequence(i)["tokens"] for i in ids])[None]
     mask = np.concatenate([fc.sequence(i)["mask"] for i in ids])[None]
     out = {"target argmax (cache)": feature_cache.target_vocabulary(fc, ids, max(SIZES)),
            "data tokens (cache)": draft_vocabulary(tokens, mask, max(SIZES), vocab_size)}
     if args.eagle:
-        from specjax.models import eagle_io
-
         out[f"head {args.eagle}"] = eagle_io.load_head(args.eagle)[1]
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    from specjax.bench.prompts import read_prompts
-    from specjax.serving.engine import Engine
-    from specjax.train_heads import cache as feature_cache, coverage
-
     if args.prompts_file is None or args.cache is None:
         raise ValueError("coverage needs --prompts-file (with task classes) and --cache (to rank from)")
     if args.per_task < 1:

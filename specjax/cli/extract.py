@@ -1,11 +1,12 @@
 """`specjax train-heads extract`: the frozen target's features over a corpus into a feature cache
-(`specjax.train_heads.eagle.extract_cache`), to train EAGLE heads from."""
+(`train_heads.eagle.extract_cache`), to train EAGLE heads from."""
 
 from __future__ import annotations
 
 import argparse
 
 from specjax.cli import flags
+from train_heads.eagle import extract_cache
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
@@ -16,8 +17,6 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specjax.train_heads.eagle import extract_cache
-
     conversations = 1024 if args.conversations is None else args.conversations
     if conversations < 1 or args.seq_len < 4 or args.shard_size < 1 or args.forward_batch_size < 1:
         raise ValueError("--conversations, --shard-size and --forward-batch-size must be >= 1, --seq-len >= 4")

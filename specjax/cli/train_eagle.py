@@ -1,5 +1,5 @@
 """`specjax train-heads --kind eagle`: an EAGLE head, teacher-forced on ShareGPT or on a feature
-cache (`specjax.train_heads.eagle.train_eagle`)."""
+cache (`train_heads.eagle.train_eagle`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import argparse
 import pathlib
 
 from specjax.cli import flags
+from specjax.models import config as model_config
+from specjax.models.eagle import EagleConfig
+from train_heads.eagle import EagleTrainConfig, train_eagle
 
 EAGLE_DEFAULTS = dict(steps=400, batch_size=4, lr=1e-3, warmup=20, eval_every=100, save_every=25,
                       conversations=None)
@@ -42,9 +45,6 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace, eagle: dict) -> None:
     """Everything checked before the model loads."""
-    from specjax.models import config as model_config
-    from specjax.models.eagle import EagleConfig
-
     if args.cache is not None and not (pathlib.Path(args.cache) / "index.json").is_file():
         raise ValueError(f"--cache {args.cache}: no feature cache there (index.json missing); build one with "
                          "`specjax train-heads extract --out DIR`")
@@ -63,9 +63,7 @@ def _check(args: argparse.Namespace, eagle: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Trains an EAGLE head teacher-forced on ShareGPT (`specjax.train_heads.eagle.train_eagle`)."""
-    from specjax.train_heads.eagle import EagleTrainConfig, train_eagle
-
+    """Trains an EAGLE head teacher-forced on ShareGPT (`train_heads.eagle.train_eagle`)."""
     weights = tuple(float(x) for x in args.step_weights.split(",")) if args.step_weights else None
     cfg = EagleTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                            warmup=args.warmup, weight_decay=args.weight_decay, unroll=args.unroll,

@@ -9,6 +9,8 @@ import argparse
 
 from specjax.cli import coverage, extract, flags, train_eagle
 from specjax.methods import registry
+from specjax.models.heads import HeadsConfig
+from train_heads.train import TrainConfig, train_heads
 
 MEDUSA_DEFAULTS = dict(steps=1000, batch_size=256, lr=1e-3, warmup=50, eval_every=200, save_every=100,
                        conversations=1024)
@@ -82,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train_medusa(args: argparse.Namespace) -> int:
-    """Trains Medusa heads on self-distilled ShareGPT data (`specjax.train_heads.train.train_heads`)."""
-    from specjax.models.heads import HeadsConfig
-    from specjax.train_heads.train import TrainConfig, train_heads
-
+    """Trains Medusa heads on self-distilled ShareGPT data (`train_heads.train.train_heads`)."""
     # Everything is checked before the model loads or any data is generated.
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          weight_decay=args.weight_decay, head_decay=args.head_decay,

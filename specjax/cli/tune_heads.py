@@ -1,6 +1,6 @@
 """`specjax tune-heads`: trained heads' token subset and candidate tree (`--heads`,
-`specjax.train_heads.tune`), or an EAGLE head's chain, tree and draft vocabulary (`--eagle`,
-`specjax.train_heads.tune_eagle`), from held-out accuracy and costs measured on this machine."""
+`train_heads.tune`), or an EAGLE head's chain, tree and draft vocabulary (`--eagle`,
+`train_heads.tune_eagle`), from held-out accuracy and costs measured on this machine."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import pathlib
 
 from specjax.cli import flags
+from train_heads import tune as medusa_tuning, tune_eagle as eagle_tuning
 
 
 def add_parser(sub) -> None:
@@ -30,22 +31,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def tune_eagle(args: argparse.Namespace) -> int:
-    from specjax.train_heads import tune_eagle
-
     if not (pathlib.Path(args.eagle) / "manifest.json").is_file():
         raise ValueError(f"--eagle {args.eagle}: no manifest.json there; give a train-heads --kind eagle directory")
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise ValueError("--prompts must be >= 1 and --max-new-tokens >= 2")
-    tune_eagle.tune(args.eagle, args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens, log=flags.log)
+    eagle_tuning.tune(args.eagle, args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens, log=flags.log)
     return 0
 
 
 def tune_medusa(args: argparse.Namespace) -> int:
-    from specjax.train_heads import tune
-
     if not (pathlib.Path(args.heads) / "manifest.json").is_file():
         raise ValueError(f"--heads {args.heads}: no manifest.json there; give a train-heads output directory")
     if args.vocab_size < 1 or not 1 <= args.max_nodes <= 64:
         raise ValueError("--vocab-size must be >= 1 and --max-nodes in [1, 64]")
-    tune.tune(args.heads, args.model, vocab_size=args.vocab_size, max_nodes=args.max_nodes)
+    medusa_tuning.tune(args.heads, args.model, vocab_size=args.vocab_size, max_nodes=args.max_nodes)
     return 0

@@ -1,6 +1,6 @@
 """`specjax tune-recycle`: token recycling's chain and tree for this machine, from the per-node
 acceptance of a wide template and the verify window's cost measured here
-(`specjax.train_heads.recycle.tune`); written to `tuning.json` beside the warm start, where
+(`train_heads.recycle.tune`); written to `tuning.json` beside the warm start, where
 `--method recycle` and auto read it."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import pathlib
 
 from specjax.cli import flags, warm_recycle
+from train_heads import recycle
 
 
 def add_parser(sub) -> None:
@@ -21,8 +22,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specjax.train_heads import recycle
-
     warm_recycle.check(args)
     if not (pathlib.Path(args.dir) / "manifest.json").is_file():
         raise ValueError(f"{args.dir}: no manifest.json there; give a warm-recycle output directory")

@@ -1,5 +1,5 @@
 """`specjax warm-recycle`: token recycling's warm start for a model, from the target's own greedy
-answers to a prompt set (`specjax.train_heads.recycle.warm`); `--method recycle` reads it with
+answers to a prompt set (`train_heads.recycle.warm`); `--method recycle` reads it with
 `--recycle-warm DIR`, and the one shipped for the model by default."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import argparse
 import json
 
 from specjax.cli import flags
+from specjax.methods.recycle.options import MAX_CANDIDATES
+from train_heads import recycle
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +39,6 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specjax.methods.recycle.options import MAX_CANDIDATES
-    from specjax.train_heads import recycle
-
     check(args)
     if not 1 <= args.recycle_k <= MAX_CANDIDATES or args.batch_size < 1:
         raise ValueError(f"--recycle-k must be in 1..{MAX_CANDIDATES} and --batch-size >= 1")
