@@ -18,6 +18,13 @@ no mesh in context, `KERNEL_MIN_ROWS` to `KERNEL_MAX_ROWS` rows. Everywhere else
 be built (no compiler: the reason is logged once) or `SPECJAX_DENSE_KERNEL=0`, the same product is
 XLA's dot.
 Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
+
+A GGUF weight loaded packed (`quant.PackedWeight`, `load(..., weights="packed")`) goes to a second
+kernel, `specjax_qdense_nk` (qdense_nk.cc, built after dense_nk.cc in one library), for 1 to
+`KERNEL_MAX_ROWS` rows: it dequantizes each block of weight rows once into a small fp32 scratch, exactly
+as gguf does, and runs dense_nk's tile on it, so its product is dense_nk's on the dequantized weight bit
+for bit (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph and multiplied as
+above.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+
+from specjax.models import quant
 
 LAYOUTS = ("kn", "nk")
 KERNEL_MIN_ROWS = 2  # one row is a matrix-vector product: XLA's own is at least as fast (measured)
@@ -101,7 +110,11 @@ def _rows(x) -> int:
 
 
 def dense(x, w, layout: str):
-    """`x[..., K]` times a stored weight (`w[K, N]` for "kn", `w[N, K]` for "nk") -> `[..., N]`."""
+    """`x[..., K]` times a stored weight (`w[K, N]` for "kn", `w[N, K]` for "nk") -> `[..., N]`.
+    `w` may be a `quant.PackedWeight` (GGUF blocks, `[N, K]` whatever `layout`): multiplied by the
+    packed kernel where it applies (`_use_packed_kernel`), else dequantized in the graph first."""
+    if isinstance(w, quant.PackedWeight):
+        return _dense_packed(x, w, layout)
     _check(x, w, layout)
     if layout == "kn":
         return x @ w
@@ -117,6 +130,8 @@ def dense_many(x, ws, layout: str) -> tuple:
     split over the threads as one product's: the same results as separate calls, bit for bit, without
     storing the weights concatenated (the params, loaders and mesh layout do not notice)."""
     ws = tuple(ws)
+    if any(isinstance(w, quant.PackedWeight) for w in ws):
+        return tuple(dense(x, w, layout) for w in ws)
     for w in ws:
         _check(x, w, layout)
     lead, k, m = x.shape[:-1], x.shape[-1], _rows(x)
@@ -124,6 +139,27 @@ def dense_many(x, ws, layout: str) -> tuple:
         ys = _kernel_products(x.reshape(m, k), ws)
         return tuple(y.reshape(*lead, w.shape[0]) for y, w in zip(ys, ws))
     return tuple(dense(x, w, layout) for w in ws)
+
+
+def _dense_packed(x, w, layout: str):
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"dense: x {tuple(x.shape)} and a packed {w.qtype} weight [N={n}, K={k}] do not contract")
+    lead, m = x.shape[:-1], _rows(x)
+    if _use_packed_kernel(m, x):
+        return qdense_nk_kernel(x.reshape(m, k), w.blocks, w.qtype, w.shape).reshape(*lead, n)
+    dq = w.dequantize()
+    return dense(x, dq if check_layout(layout) == "nk" else dq.T, layout)
+
+
+def _use_packed_kernel(m: int, x) -> bool:
+    """One row too (the alternative writes the whole fp32 weight first); 1 to `KERNEL_MAX_ROWS` rows,
+    fp32, CPU, no mesh. A row's sums run in the same order for every row count."""
+    if not 1 <= m <= KERNEL_MAX_ROWS or x.dtype != jnp.float32:
+        return False
+    from specjax import sharding
+
+    return jax.default_backend() == "cpu" and not sharding.active() and packed_kernel_available()
 
 
 def _use_kernel(m: int, x, w) -> bool:
@@ -218,8 +254,10 @@ def build(force: bool = False) -> pathlib.Path:
     return _compile(_SOURCE.read_bytes(), _cache_dir() / f"dense_nk-{_machine_tag()}.so", force=force)
 
 
-def _compile(source: bytes, out: pathlib.Path, *, force: bool = False, target: str = _SYMBOL) -> pathlib.Path:
-    """`source` (a version of dense_nk.cc) built into `out`, its handler exported as `target`."""
+def _compile(source: bytes, out: pathlib.Path, *, force: bool = False, target: str = _SYMBOL,
+             flags: tuple[str, ...] = ()) -> pathlib.Path:
+    """`source` (a version of dense_nk.cc) built into `out`, its handler exported as `target`;
+    `flags`: more compiler flags."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
@@ -232,7 +270,7 @@ def _compile(source: bytes, out: pathlib.Path, *, force: bool = False, target: s
         src = pathlib.Path(tmp) / _SOURCE.name
         src.write_bytes(source)
         tmp_out = pathlib.Path(tmp) / out.name
-        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *rename,
+        cmd = [cxx, "-O3", *march, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *rename, *flags,
                str(src), "-o", str(tmp_out)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 and march:  # a compiler without -march/-mcpu=native: the portable build
@@ -294,6 +332,61 @@ def kernel_status() -> str:
     """Why the kernel is or is not in use, in words."""
     kernel_available()
     return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("reason", "not built")
+
+
+# ---- the packed-weight kernel (qdense_nk.cc) ------------------------------------------------------
+
+_QSOURCE = pathlib.Path(__file__).with_name("qdense_nk.cc")
+_QSYMBOL = "specjax_qdense_nk"
+QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+
+
+def build_packed(force: bool = False) -> pathlib.Path:
+    """Compiles qdense_nk.cc (after dense_nk.cc, one translation unit) for this machine (cached)."""
+    source = _SOURCE.read_bytes() + b"\n" + _QSOURCE.read_bytes()
+    tag = hashlib.sha256(source + _machine_tag().encode()).hexdigest()[:16]
+    return _compile(source, _cache_dir() / f"qdense_nk-{tag}.so", force=force)
+
+
+@functools.cache
+def _register_packed() -> bool:
+    if _disabled():
+        _STATUS["packed"] = "disabled by SPECJAX_DENSE_KERNEL=0"
+        return False
+    try:
+        import ctypes
+
+        lib = ctypes.cdll.LoadLibrary(str(build_packed()))
+        jax.ffi.register_ffi_target(_QSYMBOL, jax.ffi.pycapsule(getattr(lib, _QSYMBOL)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: dequantize in the graph
+        _STATUS["packed"] = f"{type(e).__name__}: {e}"
+        _log.warning("specjax: the packed-weight CPU kernel is unavailable (%s)", _STATUS["packed"])
+        return False
+    _STATUS["packed"] = "built and registered"
+    return True
+
+
+def packed_kernel_available() -> bool:
+    """Whether `specjax_qdense_nk` is built and registered (builds it on the first call)."""
+    return not _disabled() and _register_packed()
+
+
+def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int]):
+    """`x[M, K] @ W.T` for a GGUF weight `W[N, K]` given as its blocks (uint8 `[N, K / block * bytes]`,
+    `specjax.models.quant`), through the C++ kernel: equal bit for bit to `dense_nk_kernel(x, W)` on the
+    dequantized weight. Raises if it is not available."""
+    n, k = shape
+    if qtype not in QTYPE_CODES:
+        raise ValueError(f"specjax_qdense_nk: block type {qtype} is not one of {', '.join(QTYPE_CODES)}")
+    if x.ndim != 2 or x.shape[1] != k or x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
+        raise ValueError(f"specjax_qdense_nk: needs fp32 x [M, {k}] and uint8 blocks; got x {x.dtype} "
+                         f"{tuple(x.shape)}, blocks {blocks.dtype}")
+    if not packed_kernel_available():
+        raise RuntimeError(f"specjax_qdense_nk is not available: {_STATUS.get('packed')}")
+    import numpy as np
+
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(_QSYMBOL, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]))
 
 
 if __name__ == "__main__":  # python -m specjax.models.linear: build ahead (e.g. right after install)

@@ -102,8 +102,9 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
       weight_layout: how projection weights are stored ("kn" or "nk"); by default the faster one
         for this backend and dtype (`specjax.models.linear.preferred_layout`). Outputs do not change.
       weights: for a GGUF file, "dequantized" (fp32 at load, the default) or "packed": the quantized
-        projections stay the file's blocks on the device (`specjax.models.quant`), dequantized in the
-        graph to the same fp32 values, so outputs do not change; `weight_bytes` counts the blocks.
+        projections stay the file's blocks on the device (`specjax.models.quant`), multiplied by the
+        packed CPU kernel or dequantized in the graph to the same fp32 values (greedy output does not
+        change); `weight_bytes` counts the blocks. Not the default: slower than fp32 today (CHANGELOG).
         A block type that cannot stay packed is refused by name. Ignored for an HF directory.
     """
     if weights not in WEIGHTS:

@@ -10,7 +10,7 @@ import pytest
 from conftest import padded_logits
 from gguf import quants
 
-from specjax.models import gguf_loader, loader, quant
+from specjax.models import gguf_loader, linear, loader, quant
 from specjax.serving.engine import Engine
 
 # byte offsets of each type's fp16 scale fields: random bytes there could be inf/nan, which compare
@@ -140,3 +140,71 @@ def test_gemma3_packed_logits_equal_dequantized(gemma3_path):
     del packed
     b = padded_logits(loader.load(str(gemma3_path)).model, [ids])
     np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+# ---- the packed CPU kernel (qdense_nk.cc) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed_kernel():
+    if jax.default_backend() != "cpu" or not linear.packed_kernel_available():
+        pytest.skip(f"the packed CPU kernel is not available here ({linear.kernel_status()})")
+
+
+@pytest.mark.parametrize("qtype", quant.PACKED_TYPES)
+def test_kernel_rebuilds_gguf_weights_exactly(packed_kernel, qtype):
+    """One-hot rows of x read single weights out of the product: exactly gguf's values."""
+    block = quant.BLOCKS[qtype][0]
+    n, k = 11, 2 * block
+    raw = _random_blocks(qtype, n, k, seed=3)
+    ref = quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)
+    cols = [np.asarray(linear.qdense_nk_kernel(jnp.eye(k, dtype=jnp.float32)[c:c + 32], jnp.asarray(raw), qtype,
+                                               (n, k))) for c in range(0, k, 32)]
+    # values, not bits: a one-hot sum turns a -0.0 weight into +0.0
+    np.testing.assert_array_equal(np.concatenate(cols).T, ref)
+
+
+@pytest.mark.parametrize("qtype", quant.PACKED_TYPES)
+def test_kernel_product_is_dense_nk_on_the_dequantized_weight(packed_kernel, qtype):
+    """Bit for bit dense_nk's product (same sums in the same order) for 1..33 rows and a ragged N; within
+    summation tolerance of an fp32 matmul; each row the same alone as in the window."""
+    block = quant.BLOCKS[qtype][0]
+    rng = np.random.default_rng(7)
+    for n, k in [(13, 2 * block), (40, 3 * block)]:
+        raw = jnp.asarray(_random_blocks(qtype, n, k, seed=n))
+        w = quant.dequantize(raw, qtype, (n, k))
+        for m in (1, 2, 3, 5, 9, 17, 33):
+            x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
+            got = np.asarray(linear.qdense_nk_kernel(x, raw, qtype, (n, k)))
+            np.testing.assert_array_equal(_bits(got), _bits(linear.dense_nk_kernel(x, w)))
+            ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+            r = m // 2
+            alone = np.asarray(linear.qdense_nk_kernel(x[r:r + 1], raw, qtype, (n, k)))
+            np.testing.assert_array_equal(_bits(alone[0]), _bits(got[r]))
+
+
+def test_kernel_refuses_mismatched_blocks(packed_kernel):
+    with pytest.raises(ValueError, match="Q3_K is not one of"):
+        linear.qdense_nk_kernel(jnp.zeros((1, 256)), jnp.zeros((2, 110), jnp.uint8), "Q3_K", (2, 256))
+
+
+def test_dense_of_a_packed_weight_without_the_kernel_dequantizes(monkeypatch):
+    raw = jnp.asarray(_random_blocks("Q5_0", 9, 64))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 64)).astype(np.float32))
+    w = quant.PackedWeight(raw, "Q5_0", (9, 64))
+    monkeypatch.setenv("SPECJAX_DENSE_KERNEL", "0")
+    for layout in linear.LAYOUTS:
+        ref = x @ w.dequantize().T
+        np.testing.assert_allclose(linear.dense(x, w, layout), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_smollm2_packed_greedy_kernel_equals_in_graph_fallback(smollm2_packed, smollm2, monkeypatch):
+    """Greedy tokens: the packed kernel (1-row steps) == the dequantized load; the in-graph fallback
+    (kernels off) picks the same top-1 at every position of a prompt."""
+    ids = smollm2.tokenizer.encode("Speculative decoding is a way to")
+    kernel = padded_logits(smollm2_packed.model, [ids])
+    monkeypatch.setenv("SPECJAX_DENSE_KERNEL", "0")
+    fallback = padded_logits(smollm2_packed.model, [ids], length=len(ids) + 1)[:, :len(ids)]  # a new trace
+    np.testing.assert_array_equal(kernel.argmax(-1), fallback.argmax(-1))
+    np.testing.assert_allclose(kernel, fallback, rtol=1e-3, atol=1e-3)

@@ -36,8 +36,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         dt = self.dtype
-        ws = (params.weight(self.w_gate, dt, self.layout), params.weight(self.w_up, dt, self.layout))
+        ws = tuple(params.weight(w, dt, self.layout, keep_packed=True) for w in (self.w_gate, self.w_up))
         gate, up = linear.dense_many(x, ws, self.layout)
         h = activation(self.activation)(gate) * up
         h = sharding.constrain(h, ("batch", None, "ffn"))
-        return linear.dense(h, params.weight(self.w_down, dt, self.layout), self.layout)
+        return linear.dense(h, params.weight(self.w_down, dt, self.layout, keep_packed=True), self.layout)
