@@ -8,6 +8,7 @@ before it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,11 @@ from specjax.models.heads_io import (  # noqa: F401  (re-exported for training c
 
 # Bookkeeping settings that may change between a run and its resumption.
 _BOOKKEEPING = ("eval_every", "save_every", "keep", "log_every")
+
+
+def run_settings(config) -> dict:
+    """A training config's fields that a resumed run must match: all but the bookkeeping ones."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _BOOKKEEPING}
 
 
 def _identity(run: dict | None) -> dict | None:

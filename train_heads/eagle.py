@@ -56,7 +56,7 @@ from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.serving.engine import Engine
 from train_heads import cache as feature_cache, data as distilled
 from train_heads.cache import CachedSequences, EpochLoader
-from train_heads.checkpoint import ResumableRun, TrainCheckpoints
+from train_heads.checkpoint import ResumableRun, TrainCheckpoints, run_settings
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -123,9 +123,6 @@ class EagleTrainConfig:
 
     def weight(self, j: int) -> float:
         return self.step_weights[j] if self.step_weights is not None else self.step_decay**j
-
-
-_BOOKKEEPING = ("eval_every", "save_every", "keep", "log_every")
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -450,7 +447,7 @@ class EagleTrainer(ResumableRun):
         self.loader = EpochLoader(len(train), cfg.batch_size, cfg.seed)
         self.step = 0
         self.elapsed = 0.0
-        train_cfg = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _BOOKKEEPING}
+        train_cfg = run_settings(cfg)
         self.run = json.loads(json.dumps(dict(  # as it reads back from a checkpoint (tuples -> lists)
             run_info or {}, train=train_cfg, eagle=config.to_dict(),
             draft_ids=int((np.asarray(draft_ids, np.int64) * np.arange(1, len(draft_ids) + 1)).sum()))))
