@@ -9,6 +9,7 @@ from scipy import stats
 from specjax.core import acceptance
 from specjax.core import sampling
 from specjax.core.sampling import Greedy, Sample, SamplingParams
+from specjax.core import tree as tree_lib
 from specjax.core.tree import chain_topology
 
 N = 20_000  # rows (independent keys) for the distribution checks
@@ -22,8 +23,9 @@ speculative = jax.jit(acceptance.speculative)
 
 def _accept(config, keys, draft, q, logits, params):
     """The Decoder's default sampled chain rule (Leviathan's), as (n, next)."""
-    acc = acceptance.Speculative().accept(config, keys, draft, q, logits, params,
-                                          chain_topology(draft.shape[1]))
+    acc = acceptance.Speculative().accept(acceptance.Window(
+        sampling=config, keys=keys, nodes=draft, q=q, logits=logits, params=params,
+        topo=chain_topology(draft.shape[1])))
     return acc.n, acc.next
 
 
@@ -197,3 +199,37 @@ def test_speculative_under_strict_rank_promotion():
     with jax.numpy_rank_promotion("raise"):
         speculative(_keys(2), jnp.zeros((2, 1), jnp.int32), None, jnp.zeros((2, 2, 4)),
                                SamplingParams.create(2, 1.0))
+
+
+# ---- the interface the Decoder's verify step calls -----------------------------------------------
+
+
+def test_library_rules_satisfy_the_interface_and_check_the_window_shape():
+    tree_topo = tree_lib.topology(((0,), (1,), (0, 0)))
+    for rule in (acceptance.Greedy(), acceptance.SpecInfer(), acceptance.Speculative(),
+                 acceptance.TypicalAcceptance()):
+        assert isinstance(rule, acceptance.AcceptanceRule), rule
+        rule.check(chain_topology(3))  # every rule verifies a chain
+    for rule in (acceptance.Greedy(), acceptance.SpecInfer(), acceptance.TypicalAcceptance()):
+        rule.check(tree_topo)
+    with pytest.raises(ValueError, match="chains only.*SpecInfer"):
+        acceptance.Speculative().check(tree_topo)
+
+
+def test_the_decoder_refuses_a_rule_for_the_wrong_shape_or_a_non_rule():
+    from specjax.core.decoder import Decoder
+    from specjax.methods.ngram.proposer import NgramProposer
+
+    class TreeLookup(NgramProposer):  # the prompt-lookup proposer laid out on a two-branch tree
+        @property
+        def topology(self):
+            return tree_lib.topology(((0,), (1,)))
+
+    chain = NgramProposer(k=2)
+    assert isinstance(Decoder(proposer=chain, acceptance=acceptance.Speculative(), sampling="sample",
+                              cache_length=32).acceptance, acceptance.Speculative)
+    with pytest.raises(ValueError, match="chains only"):
+        Decoder(proposer=TreeLookup(k=1), acceptance=acceptance.Speculative(), sampling="sample",
+                cache_length=32)
+    with pytest.raises(TypeError, match="not an acceptance rule"):
+        Decoder(proposer=chain, acceptance="speculative", cache_length=32)

@@ -236,10 +236,10 @@ class ResampleFromP(acceptance.Speculative):
     """WRONG on purpose: after a rejection, draw from p instead of norm(max(0, p - q)) (the library's
     `acceptance.speculative` with its second half replaced)."""
 
-    def accept(self, config, keys, nodes, q, logits, params, topo):
-        n, p_n, _, key = acceptance.rejection(keys, nodes, q, logits, params)
+    def accept(self, w):
+        n, p_n, _, key = acceptance.rejection(w.keys, w.nodes, w.q, w.logits, w.params)
         nxt = jax.vmap(jax.random.categorical)(key, jnp.log(p_n)).astype(jnp.int32)
-        return acceptance.Accepted(n=n, path=acceptance.chain_path(n, topo), next=nxt)
+        return acceptance.Accepted(n=n, path=acceptance.chain_path(n, w.topo), next=nxt)
 
 
 @pytest.mark.parametrize("rule", [ResampleFromP(), acceptance.TypicalAcceptance(0.3, 0.09)],

@@ -182,8 +182,8 @@ def test_tree_accept_walk():
     want = {0: 4, 1: 0, 2: 7, 3: 0, 4: 0, 5: 1}
     logits = jax.nn.one_hot(jnp.asarray([[want[w] for w in range(6)]]), v) * 10.0
     for rule in (acceptance.Greedy(), acceptance.SpecInfer()):  # SpecInfer under greedy: argmax draws
-        acc = rule.accept(Greedy(), jax.random.key(0)[None], nodes, None, logits,
-                          SamplingParams.create(1), topo)
+        acc = rule.accept(acceptance.Window(sampling=Greedy(), keys=jax.random.key(0)[None], nodes=nodes,
+                                            q=None, logits=logits, params=SamplingParams.create(1), topo=topo))
         assert int(acc.n[0]) == 2 and int(acc.leaf[0]) == 5 and int(acc.next[0]) == 1
         assert acc.path[0, :3].tolist() == [0, 2, 5]
 

@@ -1,7 +1,10 @@
 """Acceptance rules: keep a path of the drafted window and choose the token after it.
 
 A rule is a frozen, hashable object chosen by the `specjax.Decoder` (static: it shapes the
-program). Every rule answers `Accepted(n, path, next)`: `path[:, d]` is the window slot of the
+program) that satisfies `AcceptanceRule`: `check(topology)` refuses a window shape the rule cannot
+verify (when the Decoder is built), and `accept(window)` judges one verified `Window` (the drafts,
+their q, the target's logits, the sampling values, keys and topology). Every rule answers
+`Accepted(n, path, next)`: `path[:, d]` is the window slot of the
 accepted node at depth d (slot 0 is the pending token; entries past `n` are junk), and `next` is
 the token after it: the correction on a rejection, the bonus token when the whole path was kept.
 A chain is the tree whose node i hangs under node i - 1, so one walk serves both.
@@ -22,7 +25,7 @@ Counts come from cumulative products and masks, so no shape depends on the data.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,39 @@ class Accepted:
     def leaf(self) -> Int[Array, "B"]:
         """Window slot of the last accepted token (the root when nothing was accepted)."""
         return jnp.take_along_axis(self.path, self.n[:, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What the verify step hands a rule: one step's drafted window and the target's logits on it."""
+
+    sampling: Sampling  # the static sampling method (greedy or sampled)
+    keys: Array  # [B] per-row PRNG keys for this step's acceptance
+    nodes: Int[Array, "B K"]  # the drafted tokens (window slots 1..K)
+    q: Float[Array, "B K V"] | None  # the distributions the drafts came from; None: one-hot
+    logits: Float[Array, "B K+1 V"]  # the target's logits at the window's slots
+    params: SamplingParams  # per-row sampling values
+    topo: Any  # tree.AnyTopology: the window's shape (static, or traced per-row trees)
+
+
+@runtime_checkable
+class AcceptanceRule(Protocol):
+    """The interface the `specjax.Decoder`'s verify step calls."""
+
+    lossless: ClassVar[bool]  # whether the output follows the target's distribution exactly
+
+    def check(self, topology: tree.AnyTopology) -> None:
+        """Raise ValueError, saying what to use instead, when this rule cannot verify `topology`."""
+
+    def accept(self, window: Window) -> Accepted:
+        """The path of `window` kept and the token after it."""
+
+
+class _AnyShape:
+    """A rule that verifies chains and trees alike."""
+
+    def check(self, topology: tree.AnyTopology) -> None:
+        return None
 
 
 def _count_prefix(ok: Array) -> Int[Array, "B"]:
@@ -135,27 +171,25 @@ def chain_path(n: Array, topo: tree.AnyTopology) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Greedy:
+class Greedy(_AnyShape):
     """Exact match against the target's argmax: output equals plain greedy decoding."""
 
     lossless: ClassVar[bool] = True
-    needs_chain: ClassVar[bool] = False
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
-        x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return walk(nodes == tree.at_parents(x, topo), x, topo)
+    def accept(self, w: Window) -> Accepted:
+        x = jnp.argmax(w.logits, axis=-1).astype(jnp.int32)
+        return walk(w.nodes == tree.at_parents(x, w.topo), x, w.topo)
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecInfer:
+class SpecInfer(_AnyShape):
     """Draw at each node from p, follow the matching child (lossless for any drafts; see module)."""
 
     lossless: ClassVar[bool] = True
-    needs_chain: ClassVar[bool] = False
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
-        x = config.draws(keys, logits, params)  # draws at all slots up front; the walk uses some
-        return walk(nodes == tree.at_parents(x, topo), x, topo)
+    def accept(self, w: Window) -> Accepted:
+        x = w.sampling.draws(w.keys, w.logits, w.params)  # draws at all slots up front; the walk uses some
+        return walk(w.nodes == tree.at_parents(x, w.topo), x, w.topo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,15 +197,22 @@ class Speculative:
     """Leviathan et al.'s rule with the draft's real q (one-hot when the draft gives none); chains."""
 
     lossless: ClassVar[bool] = True
-    needs_chain: ClassVar[bool] = True
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
-        n, nxt = greedy(nodes, logits) if config.greedy else speculative(keys, nodes, q, logits, params)
-        return Accepted(n=n, path=chain_path(n, topo), next=nxt)
+    def check(self, topology: tree.AnyTopology) -> None:
+        if not topology.is_chain:
+            raise ValueError(f"{type(self).__name__} verifies chains only; this proposer drafts a tree: "
+                             "use acceptance.SpecInfer() (lossless) or Greedy()")
+
+    def accept(self, w: Window) -> Accepted:
+        if w.sampling.greedy:
+            n, nxt = greedy(w.nodes, w.logits)
+        else:
+            n, nxt = speculative(w.keys, w.nodes, w.q, w.logits, w.params)
+        return Accepted(n=n, path=chain_path(n, w.topo), next=nxt)
 
 
 @dataclasses.dataclass(frozen=True)
-class TypicalAcceptance:
+class TypicalAcceptance(_AnyShape):
     """LOSSY (Medusa's typical acceptance): keep node x if p(x) > min(eps, delta * exp(-H(p))) at
     its parent, then sample the next token from p at the deepest kept node. Output no longer follows
     the target's distribution; greedy rows are unchanged (exact match)."""
@@ -179,24 +220,24 @@ class TypicalAcceptance:
     epsilon: float = 0.09
     delta: float = 0.3
     lossless: ClassVar[bool] = False
-    needs_chain: ClassVar[bool] = False
 
     def __post_init__(self):
         if not (0 < self.epsilon < 1 and 0 < self.delta < 1):
             raise ValueError(f"typical acceptance ({self.epsilon}, {self.delta}): need 0 < epsilon < 1 "
                              "and 0 < delta < 1")
 
-    def accept(self, config, keys, nodes, q, logits, params, topo: tree.AnyTopology) -> Accepted:
-        if config.greedy:
-            return Greedy().accept(config, keys, nodes, q, logits, params, topo)
-        p = sampling.probs(logits, params)  # [B, W, V]
+    def accept(self, w: Window) -> Accepted:
+        if w.sampling.greedy:
+            return Greedy().accept(w)
+        logits, topo = w.logits, w.topo
+        p = sampling.probs(logits, w.params)  # [B, W, V]
         p_par = tree.at_parents(p, topo)  # [B, K, V]
-        p_x = jnp.take_along_axis(p_par, nodes[..., None], axis=-1)[..., 0]
+        p_x = jnp.take_along_axis(p_par, w.nodes[..., None], axis=-1)[..., 0]
         ent = -jnp.sum(jnp.where(p_par > 0, p_par * jnp.log(jnp.where(p_par > 0, p_par, 1.0)), 0.0), -1)
         ok = p_x > jnp.minimum(self.epsilon, self.delta * jnp.exp(-ent))
         acc = walk(ok, jnp.zeros(logits.shape[:2], jnp.int32), topo)
         at_leaf = jnp.take_along_axis(logits, acc.leaf[:, None, None], axis=1)[:, 0]
-        nxt = config.draw(jax.vmap(lambda k: jax.random.fold_in(k, 7))(keys), at_leaf, params)
+        nxt = w.sampling.draw(jax.vmap(lambda k: jax.random.fold_in(k, 7))(w.keys), at_leaf, w.params)
         return acc.replace(next=nxt)
 
 

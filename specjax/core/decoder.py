@@ -21,7 +21,7 @@ One speculative step reads as the algorithm does, for chains and trees alike:
 ```
 nodes, q = propose(...)                  # [B, K] drafted tokens (+ q [B, K, V] when sampled)
 out = verify(target, state, nodes)       # one target pass over the window (tree mask)
-acc = rule.accept(out.logits, nodes, q)  # accepted path and the token after it
+acc = rule.accept(Window(...))         # accepted path and the token after it
 state = commit_path(state, acc)          # tokens, K/V of the path, lengths; nothing rolled back
 shared = update(shared, observed)        # methods' batch-shared state reads the commit and the scores
 pstate = proposer.reconcile(out, acc)    # e.g. a draft cache or the hidden state at the leaf
@@ -318,9 +318,10 @@ class Decoder:
             return
         if self.acceptance is None:
             object.__setattr__(self, "acceptance", acceptance.default_rule(self.sampling, self.topology))
-        if getattr(self.acceptance, "needs_chain", False) and not self.topology.is_chain:
-            raise ValueError(f"{type(self.acceptance).__name__} verifies chains only; this proposer "
-                             "drafts a tree: use acceptance.SpecInfer() (lossless) or Greedy()")
+        if not isinstance(self.acceptance, acceptance.AcceptanceRule):
+            raise TypeError(f"acceptance={self.acceptance!r} is not an acceptance rule: pass an object with "
+                            "check(topology) and accept(window) (see specjax.core.acceptance.AcceptanceRule)")
+        self.acceptance.check(self.topology)
 
     @property
     def topology(self) -> tree.Topology | tree.DynamicTopology:
@@ -456,14 +457,14 @@ class Decoder:
     def _step(self, model: Transformer, pparams, s: State) -> State:
         if self.proposer is None:
             return dataclasses.replace(s, decode=self.plain_step(model, s.decode))
-        state, topo = s.decode, self.topology
-        nodes, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
-                                                 step_keys(state, salt=1))
-        if isinstance(nodes, tree.DraftTree):  # a tree built this step: its shape is traced
-            nodes, topo = nodes.tokens, nodes.window
+        state = s.decode
+        drafts, q, pstate = self.proposer.propose(pparams, s.proposer, state, self.sampling,
+                                                  step_keys(state, salt=1))
+        nodes, topo = tree.drafted(drafts, self.topology)
         out = verify(model, state, nodes, topo, self.taps)
-        acc = self.acceptance.accept(self.sampling, step_keys(state, salt=2), nodes, q, out.logits,
-                                     state.sampling, topo)
+        acc = self.acceptance.accept(acceptance.Window(
+            sampling=self.sampling, keys=step_keys(state, salt=2), nodes=nodes, q=q, logits=out.logits,
+            params=state.sampling, topo=topo))
         active = ~state.done
         window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
         new = commit_path(state, out.cache, nodes, acc, topo)

@@ -160,6 +160,14 @@ class DraftTree:
     window: Window
 
 
+def drafted(drafts: "Array | DraftTree", topo: "AnyTopology") -> "tuple[Array, AnyTopology]":
+    """A proposer's drafts as (tokens [B, K], the topology they are verified on): a `DraftTree`
+    carries its own traced trees; plain tokens are laid out on the decoder's static `topo`."""
+    if isinstance(drafts, DraftTree):
+        return drafts.tokens, drafts.window
+    return drafts, topo
+
+
 # What a step verifies against: a static tree (or chain), a dynamic tree's static bounds, or the
 # traced per-row trees a dynamic-tree proposer drafted.
 AnyTopology = Topology | DynamicTopology | Window
