@@ -374,7 +374,9 @@ class Decoder:
             raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
                              f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
         cache = model.init_cache(b, self.cache_length, window=window)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        # behind a barrier, as EAGLE's prompt pass does: known positions would make the masked-out
+        # scores against the empty cache a constant block, which XLA folds at compile time
+        positions = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)))
         hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps,
                                                kept=inputs.prompt_lengths)
         last = jnp.take_along_axis(hidden, (inputs.prompt_lengths - 1)[:, None, None], axis=1)

@@ -151,7 +151,10 @@ class EagleProposer:
         b, p, _ = hidden.shape
         nxt = state.tokens[:, 1: p + 1]  # token t + 1 at entry t (the first new token after the prompt)
         cache = head.cache(b, state.capacity + self.scratch)
-        zero = jnp.zeros((b,), jnp.int32)
+        # behind a barrier, the start is not a compile-time constant: with it, every prompt entry's scores
+        # against the empty cache are masked out in full, and XLA constant-folds that [B, P, K, G, S]
+        # block while compiling (1.7-6.9 s per prompt bucket on SmolLM2, with E-level log lines)
+        zero = jax.lax.optimization_barrier(jnp.zeros((b,), jnp.int32))
         out, cache = head(head.lift(hidden), jnp.take(params.embed, nxt, axis=0, mode="clip"),
                           jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)), zero, cache)
         feature = jnp.take_along_axis(out, (inputs.prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
