@@ -305,22 +305,27 @@ def kernel_target(target: str, multi: bool = False):
         _TARGET, _MULTI = old
 
 
-@functools.cache
-def _register() -> bool:
+def _load_kernel(symbol: str, library, key: str, fallback: str) -> bool:
+    """Builds `library()` and registers its `symbol` as an XLA FFI target; the outcome in `_STATUS[key]`."""
     if _disabled():
-        _STATUS["reason"] = "disabled by SPECJAX_DENSE_KERNEL=0"
+        _STATUS[key] = "disabled by SPECJAX_DENSE_KERNEL=0"
         return False
     try:
         import ctypes
 
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(_SYMBOL, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
-        _STATUS["reason"] = f"{type(e).__name__}: {e}"
-        _log.warning("specjax: the CPU dense kernel is unavailable, using XLA's dot (%s)", _STATUS["reason"])
+        lib = ctypes.cdll.LoadLibrary(str(library()))
+        jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: the fallback
+        _STATUS[key] = f"{type(e).__name__}: {e}"
+        _log.warning("specjax: %s is unavailable, %s (%s)", symbol, fallback, _STATUS[key])
         return False
-    _STATUS["reason"] = "built and registered"
+    _STATUS[key] = "built and registered"
     return True
+
+
+@functools.cache
+def _register() -> bool:
+    return _load_kernel(_SYMBOL, build, "reason", "using XLA's dot")
 
 
 def kernel_available() -> bool:
@@ -350,25 +355,18 @@ def build_packed(force: bool = False) -> pathlib.Path:
 
 @functools.cache
 def _register_packed() -> bool:
-    if _disabled():
-        _STATUS["packed"] = "disabled by SPECJAX_DENSE_KERNEL=0"
-        return False
-    try:
-        import ctypes
-
-        lib = ctypes.cdll.LoadLibrary(str(build_packed()))
-        jax.ffi.register_ffi_target(_QSYMBOL, jax.ffi.pycapsule(getattr(lib, _QSYMBOL)), platform="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure means: dequantize in the graph
-        _STATUS["packed"] = f"{type(e).__name__}: {e}"
-        _log.warning("specjax: the packed-weight CPU kernel is unavailable (%s)", _STATUS["packed"])
-        return False
-    _STATUS["packed"] = "built and registered"
-    return True
+    return _load_kernel(_QSYMBOL, build_packed, "packed", "dequantizing in the graph")
 
 
 def packed_kernel_available() -> bool:
     """Whether `specjax_qdense_nk` is built and registered (builds it on the first call)."""
     return not _disabled() and _register_packed()
+
+
+def packed_kernel_status() -> str:
+    """Why the packed-weight kernel is or is not in use, in words."""
+    packed_kernel_available()
+    return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("packed", "not built")
 
 
 def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int]):
@@ -382,7 +380,7 @@ def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int]):
         raise ValueError(f"specjax_qdense_nk: needs fp32 x [M, {k}] and uint8 blocks; got x {x.dtype} "
                          f"{tuple(x.shape)}, blocks {blocks.dtype}")
     if not packed_kernel_available():
-        raise RuntimeError(f"specjax_qdense_nk is not available: {_STATUS.get('packed')}")
+        raise RuntimeError(f"specjax_qdense_nk is not available: {packed_kernel_status()}")
     import numpy as np
 
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)

@@ -148,7 +148,7 @@ def test_gemma3_packed_logits_equal_dequantized(gemma3_path):
 @pytest.fixture(scope="module")
 def packed_kernel():
     if jax.default_backend() != "cpu" or not linear.packed_kernel_available():
-        pytest.skip(f"the packed CPU kernel is not available here ({linear.kernel_status()})")
+        pytest.skip(f"the packed CPU kernel is not available here ({linear.packed_kernel_status()})")
 
 
 @pytest.mark.parametrize("qtype", quant.PACKED_TYPES)
