@@ -31,7 +31,7 @@ $(VENV)/.test: $(VENV)/.base
 # auto` without --auto-methods adds the shipped Medusa and EAGLE heads). A --method in ARGS replaces auto.
 run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
 	$(VENV)/bin/specjax generate --model smollm2-135m --chat \
-	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram) \
+	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram,predict) \
 	    $(if $(PROMPT),--prompt "$(PROMPT)",--demo) $(ARGS)
 
 # the shipped ops prompts (configuration files and diagnostic questions) through the scheduler, auto
@@ -50,13 +50,21 @@ serve: $(VENV)/.base
 	$(VENV)/bin/specjax serve --model smollm2-135m --method auto --auto-methods ngram --slots 8 \
 	    --max-tokens 256 --port $(PORT) $(ARGS)
 
-# On a crash in native code (pytest itself dies) it prints the test that was running and every
-# thread's stack from tests/conftest.py's crash log.
+# Two passes at once, timed together: the mesh tests (`-m mesh`, 8 fake devices, tests/test_sharding.py)
+# in a process of their own, its report printed after the rest's (`-m "not mesh"`, one worker per
+# core). Exit status 5 (no test selected, e.g. ARGS names another file) counts as passed. On a crash in
+# native code (pytest itself dies) it prints the test that was running and every thread's stack from
+# tests/conftest.py's crash log.
 test: $(VENV)/.test  ## the whole suite, the real-model oracle tests included
-	SPECJAX_CRASH_LOG=$(CURDIR)/.pytest-crash.log $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -rs $(ARGS) || { rc=$$?; \
-	    if grep -q "Fatal Python error" .pytest-crash.log 2>/dev/null; then \
-	        grep -v '^running ' .pytest-crash.log | grep -v 'site-packages/pluggy' | head -200; \
-	        echo "== pytest died while running: $$(grep '^running ' .pytest-crash.log | tail -1)"; fi; exit $$rc; }
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q -m mesh -p no:cacheprovider --durations=5 -rs $(ARGS) > .pytest-mesh.log 2>&1 & mesh=$$!; \
+	SPECJAX_CRASH_LOG=$(CURDIR)/.pytest-crash.log $(PY) -m pytest -q -m "not mesh" -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -rs $(ARGS); rc=$$?; \
+	if [ $$rc -ne 0 ] && grep -q "Fatal Python error" .pytest-crash.log 2>/dev/null; then \
+	    grep -v '^running ' .pytest-crash.log | grep -v 'site-packages/pluggy' | head -200; \
+	    echo "== pytest died while running: $$(grep '^running ' .pytest-crash.log | tail -1)"; fi; \
+	wait $$mesh; mrc=$$?; echo "== the mesh pass (pytest -m mesh, 8 devices):"; cat .pytest-mesh.log; \
+	echo "== make test: $$(( $$(date +%s) - start )) s"; \
+	[ $$rc -eq 0 -o $$rc -eq 5 ] && [ $$mrc -eq 0 -o $$mrc -eq 5 ] && [ $$rc -ne 5 -o $$mrc -ne 5 ]
 
 bench: $(VENV)/.test
 	$(VENV)/bin/specjax bench $(ARGS)

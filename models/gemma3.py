@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float
 
 from specjax.models import hf_config
 from specjax.models.config import Activation, AttnKind, ModelConfig
+from specjax.models.kv_cache import Access
 from specjax.models.layers.attention import Attention
 from specjax.models.layers.mlp import MLP
 from specjax.models.layers.norms import RMSNorm
@@ -34,7 +36,9 @@ class Block(nnx.Module):
         self.mlp_norm, self.post_mlp_norm = norm(), norm()
         self.mlp = MLP(c, rngs)
 
-    def __call__(self, x, access, k_buf, v_buf):
+    def __call__(self, x: Float[Array, "B T D"], access: Access, k_buf: Float[Array, "B S Kv H"],
+                 v_buf: Float[Array, "B S Kv H"]) -> tuple[Float[Array, "B T D"], Float[Array, "B S Kv H"],
+                                                           Float[Array, "B S Kv H"]]:
         h, k_buf, v_buf = self.attn(self.attn_norm(x), access, k_buf, v_buf)
         x = x + self.post_attn_norm(h)
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x))), k_buf, v_buf

@@ -148,11 +148,14 @@ def _dequantize(tensor) -> np.ndarray:
 DENSE_TYPES = ("F32", "F16", "BF16")  # read as fp32 whether or not the quantized ones stay packed
 
 
-def weights_from_gguf(reader, config: ModelConfig, *, progress=None, packed: bool = False) -> dict[str, Any]:
+def weights_from_gguf(reader, config: ModelConfig, *, progress=None, packed: bool = False,
+                      strict: bool = True) -> dict[str, Any]:
     """Returns `{flat param path: float32 array}` in our layout (see `specjax.models.transformer`).
 
-    `packed`: every quantized projection (not the embedding) comes as a `quant.PackedWeight` of the
-    file's bytes instead (`[N, K]` rows, whatever `config.weight_layout`); F32/F16/BF16 ones as fp32.
+    `packed`: every quantized projection and a quantized embedding come as a `quant.PackedWeight` of
+    the file's bytes instead (`[N, K]` rows, whatever `config.weight_layout`; the embedding `[V, D]`);
+    F32/F16/BF16 ones as fp32. `strict=False`: a tensor in a block type that cannot stay packed is
+    dequantized instead of refused (the loader's default mode, which the user did not ask for).
 
     Raises:
       GGUFError: a tensor the model has no place for (named), or one that cannot be dequantized.
@@ -172,7 +175,7 @@ def weights_from_gguf(reader, config: ModelConfig, *, progress=None, packed: boo
                             f"({config.num_layers} layers; a bias, norm or layer this family does not have?): "
                             "this checkpoint variant is not supported")
         qtype = tensor.tensor_type.name
-        if packed and key != "embed" and len(tensor.shape) == 2 and qtype not in DENSE_TYPES:
+        if packed and len(tensor.shape) == 2 and qtype not in DENSE_TYPES and (strict or qtype in quant.BLOCKS):
             if qtype not in quant.BLOCKS:
                 raise quant.UnsupportedBlockType(
                     f"tensor {name!r} is {qtype}, which cannot be kept packed (packed types: "
@@ -181,6 +184,8 @@ def weights_from_gguf(reader, config: ModelConfig, *, progress=None, packed: boo
             # the family's fix-ups of a projection reorder whole rows (llama's q/k), so they apply to
             # rows of blocks as to rows of weights
             rows = family.gguf_tensor(name, np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1), config, arch)
+            if key == "embed":  # token rows, the vocabulary's (a file may pad it)
+                rows, n = rows[: config.vocab_size], min(n, config.vocab_size)
             out[key] = quant.PackedWeight(np.ascontiguousarray(rows), qtype, (n, k))
             continue
         w = family.gguf_tensor(name, _dequantize(tensor), config, arch)

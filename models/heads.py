@@ -14,6 +14,7 @@ Dimension letters: M heads, L blocks per head, E the block's output dim (= D); t
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,14 @@ class HeadsConfig:
         return cls(dim=model_config.dim, vocab_size=model_config.vocab_size, **kw)
 
 
+@runtime_checkable
+class HasLMHead(Protocol):
+    """What own-projection heads are initialised from: a `Transformer`, or a stand-in that gives
+    its LM head's shape (`heads_io.abstract_heads`)."""
+
+    def lm_head_weight(self) -> tuple: ...
+
+
 class MedusaHeads(nnx.Module):
     """M stacked Medusa heads. Call with the base model to get logits `[..., M, V]`.
 
@@ -65,7 +74,7 @@ class MedusaHeads(nnx.Module):
       >>> logits = heads(out.hidden, model)  # [B, T, M, V]
     """
 
-    def __init__(self, config: HeadsConfig, *, base: Transformer | None = None, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: HeadsConfig, *, base: HasLMHead | None = None, rngs: nnx.Rngs | None = None):
         self.config = config
         m, l, d = config.num_heads, config.num_layers, config.dim
         self.w = nnx.Param(jnp.zeros((m, l, d, d), jnp.float32), axes=("draft_heads", "layers", "embed", "embed"))
@@ -103,14 +112,14 @@ class MedusaHeads(nnx.Module):
         """Logits of every head; `tokens` (the token at t + 1) only for `token_input` heads."""
         emb = None
         if self.config.token_input and tokens is not None:
-            emb = jnp.take(base.embed[...], tokens, axis=0, mode="clip")  # no NaN for any id
+            emb = base.embedding(tokens)  # clipped: no NaN for any id
         f = self.features(hidden, emb)
         if self.config.own_projection:
             return jnp.einsum("...MD,MDV->...MV", f, self.proj[...].astype(f.dtype))
         return base.logits(f)
 
 
-def base_head(base: Transformer) -> Float[Array, "D V"]:
+def base_head(base: HasLMHead) -> Float[Array, "D V"]:
     """The base model's LM head as a [D, V] matrix (the tied embedding, transposed)."""
     w, layout = base.lm_head_weight()
     return w.T if layout == "nk" else w

@@ -21,10 +21,11 @@ Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
 
 A GGUF weight loaded packed (`quant.PackedWeight`, `load(..., weights="packed")`) goes to a second
 kernel, `specjax_qdense_nk` (qdense_nk.cc, built after dense_nk.cc in one library), for 1 to
-`KERNEL_MAX_ROWS` rows: it dequantizes each block of weight rows once into a small fp32 scratch, exactly
-as gguf does, and runs dense_nk's tile on it, so its product is dense_nk's on the dequantized weight bit
-for bit (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph and multiplied as
-above.
+`KERNEL_MAX_ROWS` rows: it rebuilds the weights exactly as gguf does (AVX-512: 16 at a time, in registers
+for up to 3 rows, else once per block of weight rows into a small fp32 scratch) and multiplies them in
+dense_nk's tiles, so its product is dense_nk's on the dequantized weight bit for bit, and a row is the
+same alone as in a window (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph
+and multiplied as above.
 """
 
 from __future__ import annotations
@@ -353,6 +354,20 @@ def build_packed(force: bool = False) -> pathlib.Path:
     return _compile(source, _cache_dir() / f"qdense_nk-{tag}.so", force=force)
 
 
+def register_packed_variant(target: str, flags: tuple[str, ...] = ()) -> str:
+    """Builds qdense_nk.cc with more compiler `flags` (e.g. `-mno-avx512f`: the portable scalar
+    dequantization) and registers its handler as FFI target `target`, for `qdense_nk_kernel(...,
+    target=target)` (tests and A/B timings)."""
+    import ctypes
+
+    source = _SOURCE.read_bytes() + b"\n" + _QSOURCE.read_bytes()
+    tag = hashlib.sha256(source + _machine_tag().encode() + target.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    out = _compile(source, _cache_dir() / f"{target}-{tag}.so", flags=(*flags, f"-D{_QSYMBOL}={target}"))
+    lib = ctypes.cdll.LoadLibrary(str(out))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return target
+
+
 @functools.cache
 def _register_packed() -> bool:
     return _load_kernel(_QSYMBOL, build_packed, "packed", "dequantizing in the graph")
@@ -369,10 +384,10 @@ def packed_kernel_status() -> str:
     return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("packed", "not built")
 
 
-def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int]):
+def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str = _QSYMBOL):
     """`x[M, K] @ W.T` for a GGUF weight `W[N, K]` given as its blocks (uint8 `[N, K / block * bytes]`,
     `specjax.models.quant`), through the C++ kernel: equal bit for bit to `dense_nk_kernel(x, W)` on the
-    dequantized weight. Raises if it is not available."""
+    dequantized weight. Raises if it is not available. `target`: a build from `register_packed_variant`."""
     n, k = shape
     if qtype not in QTYPE_CODES:
         raise ValueError(f"specjax_qdense_nk: block type {qtype} is not one of {', '.join(QTYPE_CODES)}")
@@ -384,7 +399,7 @@ def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int]):
     import numpy as np
 
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_QSYMBOL, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]))
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]))
 
 
 if __name__ == "__main__":  # python -m specjax.models.linear: build ahead (e.g. right after install)

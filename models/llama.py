@@ -16,7 +16,9 @@ Dimension alphabet, the one meaning of each letter in `specjax`'s type hints and
     head's feature width (its taps side by side: a multiple of D), Z table slots (an n-gram table's,
     token recycling's second-order table's), Ng n-gram key length, Kf followers an n-gram table
     keeps per key, Kt the target's top candidates kept per scored token (token recycling), Sr a
-    sliding-window layer's ring entries (`specjax.models.kv_cache`).
+    sliding-window layer's ring entries (`specjax.models.kv_cache`), Q a row's predicted-output
+    buffer (`specjax.methods.predict`), Cs constraint pool slots, Sa a constraint automaton's states,
+    Ca its token classes, Kc forced tokens kept per automaton state (`specjax.core.constraint`).
 Einsum subscripts are single letters: kv heads (Kv) are written C there, the output side of a
 square [D, D] weight O, and a vocabulary subset V; lowercase m, n, k are a plain matmul's rows,
 columns and contraction (`specjax.models.linear`), outside the alphabet.
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float
 
 from specjax.models import hf_config
 from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import Access
 from specjax.models.layers.attention import Attention
 from specjax.models.layers.mlp import MLP
 from specjax.models.layers.norms import RMSNorm
@@ -47,7 +51,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(c.dim, c.norm_eps, wd, offset=c.norm_offset)
         self.mlp = MLP(c, rngs)
 
-    def __call__(self, x, access, k_buf, v_buf):
+    def __call__(self, x: Float[Array, "B T D"], access: Access, k_buf: Float[Array, "B S Kv H"],
+                 v_buf: Float[Array, "B S Kv H"]) -> tuple[Float[Array, "B T D"], Float[Array, "B S Kv H"],
+                                                           Float[Array, "B S Kv H"]]:
         h, k_buf, v_buf = self.attn(self.attn_norm(x), access, k_buf, v_buf)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf

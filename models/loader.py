@@ -59,6 +59,9 @@ def model_from_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> T
         layout = want.get_metadata().get("dense_layout")
         expect = tuple(want.shape) if layout in (None, "kn") else tuple(want.shape)[::-1]
         if isinstance(w, quant.PackedWeight):
+            if key == "embed" and w.shape == expect:  # token rows [V, D], as the embedding is stored
+                leaves.append((path, want.replace(jnp.asarray(w.blocks), packed=(w.qtype, *w.shape))))
+                continue
             if layout is None or w.shape[::-1] != expect:
                 raise ValueError(f"parameter {key}: a packed {w.qtype} weight {w.shape[::-1]} where the model "
                                  f"expects a projection {expect}")
@@ -89,8 +92,18 @@ def weights_id(path: pathlib.Path) -> str:
 WEIGHTS = ("packed", "dequantized")
 
 
+def default_weights(dtype: str = "float32", backend: str | None = None) -> str:
+    """How `load` keeps a GGUF file's quantized tensors unless told: "packed" for fp32 on CPU where the
+    packed kernel is available (`linear.packed_kernel_available`), else "dequantized" (elsewhere the
+    packed weight would be dequantized inside every step's graph, which costs more than fp32 weights)."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and str(dtype) == "float32" and linear.packed_kernel_available():
+        return "packed"
+    return "dequantized"
+
+
 def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         progress: bool = False, weight_layout: str | None = None, weights: str = "dequantized") -> LoadedModel:
+         progress: bool = False, weight_layout: str | None = None, weights: str | None = None) -> LoadedModel:
     """Loads weights and tokenizer.
 
     Args:
@@ -101,12 +114,16 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
       progress: show a progress bar while dequantizing.
       weight_layout: how projection weights are stored ("kn" or "nk"); by default the faster one
         for this backend and dtype (`specjax.models.linear.preferred_layout`). Outputs do not change.
-      weights: for a GGUF file, "dequantized" (fp32 at load, the default) or "packed": the quantized
-        projections stay the file's blocks on the device (`specjax.models.quant`), multiplied by the
-        packed CPU kernel or dequantized in the graph to the same fp32 values (greedy output does not
-        change); `weight_bytes` counts the blocks. Not the default: slower than fp32 today (CHANGELOG).
-        A block type that cannot stay packed is refused by name. Ignored for an HF directory.
+      weights: for a GGUF file, "packed": the quantized projections stay the file's blocks on the
+        device (`specjax.models.quant`), multiplied by the packed CPU kernel or dequantized in the graph
+        to the same fp32 values (greedy output does not change), and `weight_bytes` counts the blocks;
+        or "dequantized": fp32 at load. Asked for "packed", a block type that cannot stay packed is
+        refused by name. Default (`default_weights`): "packed" for fp32 on CPU where the packed kernel
+        is built (faster: docs/BENCHMARKS.md, "Packed GGUF weights"), with any tensor of another block
+        type dequantized; else "dequantized". Ignored for an HF directory.
     """
+    strict = weights is not None  # asked for packed: a type that cannot stay packed is refused
+    weights = default_weights(dtype) if weights is None else weights
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: use 'packed' (GGUF blocks kept as stored) or 'dequantized' (fp32)")
     from specjax.models import catalog
@@ -129,7 +146,7 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
             from tqdm import tqdm
 
             bar = lambda it: tqdm(it, desc=f"loading {path.name}", unit="tensor", leave=False)
-        weights = gguf_loader.weights_from_gguf(reader, config, progress=bar, packed=packed)
+        weights = gguf_loader.weights_from_gguf(reader, config, progress=bar, packed=packed, strict=strict)
         tokenizer = Tokenizer.from_gguf(reader)
     model = model_from_weights(config, weights)
     return LoadedModel(model, tokenizer, config, str(path), weights_id(path))

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sharding
-from specjax.models import linear
+from specjax.models import linear, quant
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import Access, KVCache
 from specjax.models.layers import params
@@ -54,8 +54,12 @@ class Transformer(nnx.Module):
 
     @property
     def num_params(self) -> int:
-        """Parameters of this model."""
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+        """Parameters of this model (a packed weight's count of weights, not of its bytes)."""
+        total = 0
+        for _, v in nnx.to_flat_state(nnx.state(self, nnx.Param)):
+            packed = v.get_metadata().get("packed")
+            total += packed[1] * packed[2] if packed else math.prod(v.shape)
+        return total
 
     # ---- the cache ---------------------------------------------------------------------------
     def init_cache(self, batch: int, length: int, *, window: int | None = None) -> KVCache:
@@ -68,10 +72,29 @@ class Transformer(nnx.Module):
         """
         return KVCache.zeros(self.config, batch, length, window=window)
 
+    # ---- the embedding (its GGUF blocks kept packed, or a dense table) -----------------------
+    def _packed_embed(self) -> quant.PackedWeight | None:
+        """The embedding as a `quant.PackedWeight` `[V, D]` where the loader kept it packed, else None."""
+        packed = self.embed.get_metadata().get("packed")
+        return None if packed is None else quant.PackedWeight(self.embed[...], packed[0], tuple(packed[1:]))
+
+    def embedding(self, ids: Int[Array, "..."] | None = None) -> Float[Array, "... D"]:
+        """The token embedding table `[V, D]` as stored values (a packed one dequantized to gguf's fp32,
+        in the graph), or only the rows of `ids` (clipped into range: no NaN row for any id). What
+        code outside the model reads instead of the `embed` parameter."""
+        pw = self._packed_embed()
+        if pw is None:
+            w = self.embed[...]
+            return w if ids is None else jnp.take(w, ids, axis=0, mode="clip")
+        if ids is None:
+            return pw.dequantize()
+        rows = jnp.take(pw.blocks, ids.reshape(-1), axis=0, mode="clip")  # whole rows of blocks
+        return quant.dequantize(rows, pw.qtype, (rows.shape[0], pw.shape[1])).reshape(*ids.shape, pw.shape[1])
+
     # ---- the forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """Token embeddings as the blocks read them (times `sqrt(D)` for `embed_scale` families)."""
-        x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")  # no NaN row for any id
+        x = self.embedding(tokens)
         if self.config.embed_scale:  # in the weights' dtype, as HF's scaled embedding
             x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
         return x.astype(self.config.compute_dtype)
@@ -100,8 +123,10 @@ class Transformer(nnx.Module):
         hidden, cache, _ = self.features(tokens, positions, cache, start=start, window_mask=window_mask, kept=kept)
         return hidden, cache
 
-    def features(self, tokens, positions, cache: KVCache, *, start=None, window_mask=None, kept=None,
-                 taps: tuple[int, ...] = ()):
+    def features(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache, *,
+                 start: Int[Array, "B"] | None = None, window_mask: Bool[Array, "B T T"] | None = None,
+                 kept: Int[Array, "B"] | None = None, taps: tuple[int, ...] = ()
+                 ) -> tuple[Float[Array, "B T D"], KVCache, tuple[Float[Array, "B T D"], ...]]:
         """`hidden_states`, and the residual stream entering each layer in `taps` (the features an
         EAGLE-3 head fuses): returns (hidden, cache, taps)."""
         access = Access.of(cache, self.config, positions, start=start, window_mask=window_mask, kept=kept)
@@ -121,20 +146,30 @@ class Transformer(nnx.Module):
         """The LM head as stored, and its layout: the tied embedding `[V, D]` ("nk", token rows), or
         the own projection in `config.weight_layout` ("kn" `[D, V]`, "nk" `[V, D]`)."""
         if self.config.tie_embeddings:
-            return self.embed[...], "nk"
+            return self.embedding(), "nk"
         layout = self.config.weight_layout
         return params.weight(self.lm_head, None, layout), layout
 
     def lm_head_rows(self, ids: Int[Array, "Vd"] | None = None) -> Float[Array, "V D"]:
         """The LM head as token rows `[V, D]` (tied or not), or only the rows of `ids`."""
+        if self.config.tie_embeddings:
+            return self.embedding(ids)
         w, layout = self.lm_head_weight()
         rows = linear.as_rows(w, layout)
         return rows if ids is None else jnp.take(rows, ids, axis=0, mode="clip")
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
-        """LM head over final-normed hidden states."""
-        w, layout = self.lm_head_weight()
-        out = linear.dense(hidden, w.astype(self.config.compute_dtype), layout)
+        """LM head over final-normed hidden states. A packed head (the tied embedding, or an own
+        projection) goes to `linear.dense` as stored, which multiplies it in the packed kernel where
+        that applies (fp32 compute)."""
+        cd = self.config.compute_dtype
+        if self.config.tie_embeddings:
+            pw, layout = self._packed_embed(), "nk"
+            w = pw if pw is not None and jnp.dtype(cd) == jnp.float32 else self.embedding().astype(cd)
+        else:
+            layout = self.config.weight_layout
+            w = params.weight(self.lm_head, cd, layout, keep_packed=True)
+        out = linear.dense(hidden, w, layout)
         return sharding.constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
 
     def __call__(self, tokens, positions, cache, *, start=None, window_mask=None, kept=None,

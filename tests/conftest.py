@@ -68,9 +68,21 @@ _CRASH_LOG = os.environ.pop("SPECJAX_CRASH_LOG", None)  # this process's alone, 
 _crash_log = None
 
 
+MESH_DEVICES = 8  # the mesh pass's fake CPU devices (tests marked `mesh`, tests/test_sharding.py)
+
+
+def _mesh_pass(config) -> bool:
+    """`pytest -m mesh`: the pass of the tests that need 8 devices, in a process of its own."""
+    return (config.getoption("markexpr", "") or "").strip() == "mesh"
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which this replaces
 def pytest_configure(config):
     global _crash_log
+    if _mesh_pass(config):  # before anything asks for a device; the processes its tests start get 8 too
+        flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=2", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={MESH_DEVICES}".strip()
+        jax.config.update("jax_num_cpu_devices", MESH_DEVICES)
     if _CRASH_LOG:
         import faulthandler
 
@@ -79,11 +91,10 @@ def pytest_configure(config):
         faulthandler.enable(file=_crash_log, all_threads=True)
 
 
-# The longest files, started first: `make test` runs the suite on a worker per core (pytest-xdist,
-# `--dist loadfile --no-loadscope-reorder`: whole files, handed out in collection order), so these
-# run beside the rest instead of after it. Durations from `make test --durations` on the 2-core machine.
-LONGEST_FIRST = ("tests/test_mesh_process.py",   # ~390 s: the 8-device tests, in their own process
-                 "tests/test_notebooks.py")       # ~275 s: four notebooks through nbclient
+# The longest file, started first: `make test` runs the suite on a worker per core (pytest-xdist,
+# `--dist loadfile --no-loadscope-reorder`: whole files, handed out in collection order), so it runs
+# beside the rest instead of after it. Duration from `make test --durations` on the 2-core machine.
+LONGEST_FIRST = ("tests/test_notebooks.py",)  # ~390 s: four notebooks through nbclient
 
 
 REAL_MODELS = {"smollm2_path", "gemma3_path"}  # the fixtures of the real models (below)
@@ -105,8 +116,25 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
+    """The mesh tests run only in the mesh pass (`pytest -m mesh`, 8 devices): elsewhere they are
+    deselected, and the summary says how to run them. The longest files go first."""
+    mesh = [item for item in items if item.get_closest_marker("mesh")]
+    if _mesh_pass(config) and jax.device_count() != MESH_DEVICES:
+        raise pytest.UsageError(f"the mesh pass needs {MESH_DEVICES} devices and this process has "
+                                f"{jax.device_count()}: jax was initialised before tests/conftest.py set them")
+    if mesh and not _mesh_pass(config):
+        items[:] = [item for item in items if not item.get_closest_marker("mesh")]
+        config.hook.pytest_deselected(items=mesh)
+        config._mesh_deselected = len(mesh)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_mesh_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"{n} mesh tests deselected: they need {MESH_DEVICES} devices and run in their "
+                                    "own pass, `pytest -m mesh` (`make test` runs both)")
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -188,7 +216,8 @@ def gemma3_path():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """The loaded real model (fp32), shared by the integration tests."""
+    """The loaded real model as `loader.load` loads it by default (on CPU: its GGUF blocks kept packed),
+    shared by the integration tests."""
     return loader.load(str(smollm2_path))
 
 

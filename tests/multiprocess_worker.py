@@ -18,9 +18,12 @@ from test_sharding import GREEDY, METHODS, MULTI, PROMPTS, SAMPLED, make_assets 
 
 from specjax import sharding  # noqa: E402
 from specjax.serving.engine import Engine  # noqa: E402
+from specjax.methods.draft.record import DraftModel  # noqa: E402
+from specjax.methods.medusa.record import LoadedHeads  # noqa: E402
 
 target, draft, heads = make_assets()  # same seeds: the same weights on every process
-eng = Engine(target, draft=draft, heads=heads, mesh=sharding.make_mesh(data=4, model=2))
+eng = Engine(target, mesh=sharding.make_mesh(data=4, model=2),
+             assets={"draft": DraftModel(draft), "medusa": LoadedHeads(heads)})
 record = dict(devices=[jax.device_count(), jax.local_device_count()],
               decided=sharding.broadcast_from_0(f"process {pid}"))
 for name, (method, mode) in MULTI.items():

@@ -10,6 +10,7 @@ from specjax.bench import load as loadbench
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.bench.load import LoadPlan
 from specjax.bench.prompts import Prompt
+from specjax.methods.medusa.record import LoadedHeads
 
 FIELDS = {"method", "concurrency", "task", "tau", "speedup_vs_none", "throughput_tok_s", "ttft_p50_s",
           "itl_p50_s", "itl_p99_s", "peak_mem_bytes", "arrays_bytes", "greedy_identical", "weights_bytes",
@@ -135,10 +136,10 @@ def test_auto_gets_the_medusa_options_the_heads_support(tiny_model):
 
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model,
                         rngs=nnx.Rngs(0))
-    eng = Engine(tiny_model, heads=heads)
+    eng = Engine(tiny_model, assets={"medusa": LoadedHeads(heads)})
     auto = ControllerConfig(ks=(0, 2, 8)).with_assets(eng.assets)
     assert [o.label for o in auto.options] == ["none", "ngram:2", "ngram:8", "medusa:2"]
-    tree = SpecConfig(method="medusa", tree="small")
+    tree = SpecConfig.make("medusa", tree="small")
     auto = ControllerConfig(ks=(0, 4)).with_assets(eng.assets, {"medusa": tree})
     assert auto.options[-2:] == (SpecConfig(method="medusa", k=4), tree)
     assert auto.options[-1].label == f"medusa-tree:{tree.k}"

@@ -42,22 +42,22 @@ def test_bad_options_name_themselves(kw, match):
 
 
 def test_trees_resolve_and_set_k():
-    named = SpecConfig(method="medusa", tree="small")
-    assert named.tree == TREES["small"] and named.k == 4
-    assert named.is_tree and named == SpecConfig(method="medusa", tree=TREES["small"], k=2)  # k from the tree
-    listed = SpecConfig(method="medusa", tree=[[0], [1], [0, 0]])  # as JSON gives it
-    assert listed.tree == ((0,), (1,), (0, 0)) and listed.k == 2
+    named = SpecConfig.make("medusa", tree="small")
+    assert named.options.tree == TREES["small"] and named.k == 4
+    assert named.is_tree and named == SpecConfig.make("medusa", tree=TREES["small"], k=2)  # k from the tree
+    listed = SpecConfig.make("medusa", tree=[[0], [1], [0, 0]])  # as JSON gives it
+    assert listed.options.tree == ((0,), (1,), (0, 0)) and listed.k == 2
     hash(listed)  # jit-static: hashable once normalised
     chain = SpecConfig(method="ngram", k=3)
-    assert not chain.is_tree and chain.depth == 3 and SpecConfig(method="eagle", k=3, nodes=8).is_tree
-    assert SpecConfig(method="medusa", tree="heads").tree == "heads"  # resolved by the Engine
+    assert not chain.is_tree and chain.depth == 3 and SpecConfig.make("eagle", k=3, nodes=8).is_tree
+    assert SpecConfig.make("medusa", tree="heads").options.tree == "heads"  # resolved by the Engine
 
 
 def test_parse_tree():
     assert parse_tree(None) is None
     assert parse_tree("small") == "small"  # a name: SpecConfig resolves it
     assert parse_tree(" [[0], [1], [0, 0]]") == ((0,), (1,), (0, 0))
-    assert SpecConfig(method="medusa", tree=parse_tree("[[0],[0,0]]")).k == 2
+    assert SpecConfig.make("medusa", tree=parse_tree("[[0],[0,0]]")).k == 2
 
 
 def test_table_config():

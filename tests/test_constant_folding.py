@@ -13,6 +13,7 @@ from specjax.methods.config import SpecConfig
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.serving.scheduler import Scheduler
+from specjax.methods.eagle.record import LoadedEagle
 
 REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum", "argmax", "argmin", "reduce_and", "reduce_or"}
 CALLS = ("pjit", "jit", "closed_call", "remat", "checkpoint", "custom_jvp_call")
@@ -73,8 +74,8 @@ def traced(tiny_model):
     cache: the case that folded), as traced jaxprs."""
     eng = Engine(tiny_model)
     cfg = tiny_model.config
-    eng.set_eagle(EagleHead(EagleConfig.for_model(cfg, draft_vocab=cfg.vocab_size), rngs=nnx.Rngs(0)),
-                  np.arange(cfg.vocab_size))
+    head = EagleHead(EagleConfig.for_model(cfg, draft_vocab=cfg.vocab_size), rngs=nnx.Rngs(0))
+    eng.set_asset("eagle", LoadedEagle(head, np.arange(cfg.vocab_size)))
     jaxprs = []
     program = eng.program
 

@@ -5,6 +5,7 @@ tokenizer) on randomly sampled paths, for SmolLM2's byte-level and Gemma 3's Sen
 """
 
 import json
+import re
 
 import jsonschema
 import llguidance
@@ -125,3 +126,77 @@ def test_bad_constraints_are_refused_saying_why(smollm2_path):
         compile_choice([], tokenizer)
     with pytest.raises(ValueError, match="cannot be compiled|allows no answer"):
         compile_regex("(", tokenizer)
+
+
+CONFIG_SCHEMA = {"type": "object", "properties": {"host": {"type": "string", "maxLength": 24}, "port": {"type": "integer"},
+                                                  "debug": {"type": "boolean"},
+                                                  "log_level": {"enum": ["debug", "info", "warning", "error"]}},
+                 "required": ["host", "port", "debug", "log_level"]}
+
+
+def test_greedy_answers_under_a_schema_validate_on_smollm2(smollm2):
+    """The shipped demo prompts under a schema, on the real model, inside the loop: every greedy answer
+    (plain and prompt lookup, which agree token for token) is JSON valid under the schema, and ends
+    with a stop token the automaton allowed in an accepting state."""
+    from specjax.bench import prompts as shipped
+    from specjax.core.constraint import PoolSpec
+    from specjax.core.decoder import Decoder, Inputs, cache_length, generate, new_tokens
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine
+
+    tok = smollm2.tokenizer
+    tables = compile_schema(CONFIG_SCHEMA, tok)
+    eng = Engine(smollm2.model, tok)
+    texts = [p.text for p in shipped.read_prompts(shipped.shipped("demo"))]
+    ids = eng.encode(texts, chat=True)
+    bucket = -(-max(map(len, ids)) // 64) * 64  # the demo prompts' length, in steps of 64
+    inputs = Inputs.create(ids, bucket=bucket, max_new_tokens=96, stop_ids=tok.stop_ids, constraint=1)
+    outs = []
+    for spec in (None, SpecConfig(method="ngram", k=4)):
+        proposer, pparams = eng.proposer(spec) if spec else (None, None)
+        dec = Decoder(cache_length=cache_length(bucket, 96, 8), proposer=proposer,
+                      constraints=PoolSpec(vocab=smollm2.config.vocab_size))
+        outs.append(new_tokens(generate(smollm2.model, inputs, decoder=dec, pparams=pparams, constraints=(tables,))))
+    assert outs[0] == outs[1]
+    for toks in outs[0]:
+        assert toks[-1] in tok.stop_ids, tok.decode(toks)
+        jsonschema.validate(json.loads(tok.decode(toks[:-1])), CONFIG_SCHEMA)
+
+
+def test_forced_tokens_are_the_text_the_schema_fixes(tokenizer):
+    """Walking a valid compact answer, wherever the tables force tokens they are the answer's own next
+    tokens (its keys, quotes and punctuation, tokenized as the tokenizer does), and EOS once complete."""
+    tables = compile_schema(CONFIG_SCHEMA, tokenizer)
+    good = '{"host":"127.0.0.1","port":8080,"debug":true,"log_level":"info"}'
+    ids = tokenizer.encode(good, add_bos=False) + [tokenizer.eos_id]
+    state, forced_at = tables.initial, 0
+    for i, t in enumerate(ids):
+        forced = [int(x) for x in tables.forced[state] if x >= 0]
+        if forced:
+            assert forced == ids[i:i + len(forced)], (i, tokenizer.decode(forced))
+            forced_at += 1
+        state = tables.step(state, t)
+        assert state >= 0
+    assert forced_at >= 10 and [int(x) for x in tables.forced[tables.step(0, ids[0])][:1]] == [ids[1]]
+
+
+def test_engine_generate_takes_response_format_regex_and_choice(smollm2):
+    """`Engine.generate(response_format=, regex=, choice=)`: constrained answers, equal for plain and the
+    forced method (which needs fewer target forwards: the schema's fixed text comes as drafts)."""
+    from specjax.methods.config import SpecConfig
+    from specjax.serving.engine import Engine
+
+    eng = Engine(smollm2.model, smollm2.tokenizer)
+    prompt = ["Write a Python dictionary with the settings of a web server: host, port, debug and log level."]
+    fmt = {"type": "json_schema", "json_schema": {"name": "server", "schema": CONFIG_SCHEMA, "strict": True}}
+    plain, forced = (eng.generate(prompt, chat=True, max_new_tokens=80, spec=s, response_format=fmt)[0]
+                     for s in (SpecConfig(), SpecConfig(method="forced", k=6)))
+    assert plain.tokens == forced.tokens and plain.stop_reason == "stop_token"
+    jsonschema.validate(json.loads(plain.text), CONFIG_SCHEMA)
+    assert forced.target_forwards < 0.75 * plain.target_forwards, (forced.target_forwards, plain.target_forwards)
+    assert eng.generate(prompt, chat=True, max_new_tokens=8, choice=["yes", "no"])[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}", eng.generate(prompt, chat=True, max_new_tokens=8, regex=r"[0-9]{3}")[0].text)
+    with pytest.raises(ValueError, match="give one constraint"):
+        eng.generate(prompt, regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="response_format type 'xml'"):
+        eng.generate(prompt, response_format={"type": "xml"})

@@ -15,6 +15,7 @@ from specjax.serving.engine import Engine
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.methods.eagle.proposer import EagleProposer
+from specjax.methods.eagle.record import LoadedEagle
 from train_heads import eagle as train
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
@@ -58,10 +59,10 @@ def ref(tiny_model):
 def test_greedy_equals_plain(tiny_model, trained, ref, spec, which):
     eng = Engine(tiny_model)
     if which == "random":
-        eng.set_eagle(random_head(tiny_model), np.arange(64))
+        eng.set_asset("eagle", LoadedEagle(random_head(tiny_model), np.arange(64)))
     else:
-        eng.set_eagle(*trained)
-    out = eng.generate(PROMPTS, max_new_tokens=NEW, spec=SpecConfig(method="eagle", **SPECS[spec]))
+        eng.set_asset("eagle", LoadedEagle(*trained))
+    out = eng.generate(PROMPTS, max_new_tokens=NEW, spec=SpecConfig.make("eagle", **SPECS[spec]))
     assert [r.tokens for r in out] == ref
     if which == "trained":
         assert sum(r.counters.num_accepted_tokens for r in out) > 0, "no draft was ever accepted"
@@ -72,8 +73,8 @@ def test_greedy_equals_plain(tiny_model, trained, ref, spec, which):
 def test_batch_and_draft_vocabulary(tiny_model, trained, ref):
     """Rows of one batch accept different counts (ragged); a smaller draft vocabulary stays exact."""
     eng = Engine(tiny_model)
-    eng.set_eagle(*trained)
-    for spec in (SpecConfig(method="eagle", k=4, draft_vocab=16), SpecConfig(method="eagle", k=3, nodes=8, draft_vocab=16)):
+    eng.set_asset("eagle", LoadedEagle(*trained))
+    for spec in (SpecConfig.make("eagle", k=4, draft_vocab=16), SpecConfig.make("eagle", k=3, nodes=8, draft_vocab=16)):
         out = eng.generate(PROMPTS, max_new_tokens=NEW, spec=spec, batch_size=4)
         assert [r.tokens for r in out] == ref
 
@@ -136,8 +137,8 @@ def test_dynamic_tree_picks_the_most_probable_paths(tiny_model, trained):
 
 def test_fixed_shapes_compile_once(tiny_model, trained):
     eng = Engine(tiny_model)
-    eng.set_eagle(*trained)
-    spec = SpecConfig(method="eagle", k=3, nodes=8)
+    eng.set_asset("eagle", LoadedEagle(*trained))
+    spec = SpecConfig.make("eagle", k=3, nodes=8)
     eng.generate(PROMPTS[:1], max_new_tokens=NEW, spec=spec)
     before = eng.compile_count
     eng.generate([PROMPTS[2], PROMPTS[0][:5]], max_new_tokens=NEW - 3, spec=spec, batch_size=1)
@@ -155,10 +156,10 @@ def test_bad_eagle_input(tiny_model, trained, tiny_config):
     with pytest.raises(ValueError, match="draft_vocab"):
         EagleProposer.from_head(trained[0], trained[1], tiny_model, k=2, draft_vocab=1000)
     with pytest.raises(ValueError, match="eagle"):
-        SpecConfig(method="medusa", nodes=4)
+        SpecConfig.make("medusa", nodes=4)
     other = loader.init_model(tiny_config.__class__(**{**tiny_config.__dict__, "dim": 16, "head_dim": 4}), seed=0)
     with pytest.raises(ValueError, match="this model"):
-        Engine(other).set_eagle(trained[0], trained[1])
+        Engine(other).set_asset("eagle", LoadedEagle(trained[0], trained[1]))
     assert eng.compile_count == before
 
 
@@ -174,10 +175,10 @@ def test_samples_follow_the_target(spec, setting):
     target = loader.init_model(tl.CONFIG, seed=0)
     eng = Engine(target)
     head = EagleHead(EagleConfig.for_model(tl.CONFIG, draft_vocab=tl.V), rngs=nnx.Rngs(3))
-    eng.set_eagle(head, np.arange(tl.V))
+    eng.set_asset("eagle", LoadedEagle(head, np.arange(tl.V)))
     opts = tl.SETTINGS[setting]
     batch = eng.start([tl.PROMPT] * tl.N, tl.GenerateOptions(max_new_tokens=tl.NEW, seed=21, **opts),
-                      spec=SpecConfig(method="eagle", **spec))
+                      spec=SpecConfig.make("eagle", **spec))
     batch.run()
     toks = np.array(batch.new_tokens())
     pvals = tl.pair_pvalues(toks, tl.joint(tl.conditionals(target, opts)))
@@ -190,8 +191,8 @@ def test_fused_feature_head_equals_plain(tiny_model, ref):
     """An EAGLE-3 head reads the inputs of some target layers: prefill and verify hand them over."""
     cfg = EagleConfig.for_model(tiny_model.config, features="fused", feature_layers=(0, 1), draft_vocab=64)
     eng = Engine(tiny_model)
-    eng.set_eagle(EagleHead(cfg, rngs=nnx.Rngs(5)), np.arange(64))
-    for spec in (SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=6)):
+    eng.set_asset("eagle", LoadedEagle(EagleHead(cfg, rngs=nnx.Rngs(5)), np.arange(64)))
+    for spec in (SpecConfig(method="eagle", k=3), SpecConfig.make("eagle", k=3, nodes=6)):
         assert [r.tokens for r in eng.generate(PROMPTS, max_new_tokens=NEW, spec=spec)] == ref
     dec, _ = eng.build_decoder(SpecConfig(method="eagle", k=3), cache_length=64)
     assert dec.taps == (0, 1)
@@ -224,7 +225,7 @@ def test_shipped_head_on_the_real_model_equals_plain(smollm2):
     assert path is not None, "the EAGLE head for SmolLM2-135M is not in the package"
     eng = Engine(smollm2.model, smollm2.tokenizer, name="smollm2-135m", weights_id=smollm2.weights_id,
                  buckets=(64,))
-    eng.load_eagle("default")
+    eng.load_asset("eagle", "default")
     prompts = ["Write a Python function that returns the sum of a list.", "What is the capital of France?"]
     plain = [r.tokens for r in eng.generate(prompts, chat=True, max_new_tokens=40)]
     for tree in (False, True):

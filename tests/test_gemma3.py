@@ -18,14 +18,17 @@ from specjax.methods.config import SpecConfig
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.gemma3 import Gemma3
 from specjax.serving.engine import Engine
+from specjax.methods.eagle.record import LoadedEagle
+from specjax.methods.draft.record import DraftModel
+from specjax.methods.medusa.record import LoadedHeads
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]  # all longer than W
 NEW = 24
 SPECS = {
     "ngram-k1": SpecConfig(method="ngram", k=1), "ngram-k4": SpecConfig(method="ngram", k=4),
     "draft-k3": SpecConfig(method="draft", k=3), "draft-k6": SpecConfig(method="draft", k=6),
-    "medusa-k3": SpecConfig(method="medusa", k=3), "medusa-tree": SpecConfig(method="medusa", tree="small"),
-    "eagle-k3": SpecConfig(method="eagle", k=3), "eagle-tree": SpecConfig(method="eagle", k=3, nodes=8, topk=3),
+    "medusa-k3": SpecConfig(method="medusa", k=3), "medusa-tree": SpecConfig.make("medusa", tree="small"),
+    "eagle-k3": SpecConfig(method="eagle", k=3), "eagle-tree": SpecConfig.make("eagle", k=3, nodes=8, topk=3),
 }
 
 
@@ -36,9 +39,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def eng(model):
-    eng = Engine(model, draft=random_model(CONFIG, seed=1), heads=random_heads(model))
+    eng = Engine(model, assets={"draft": DraftModel(random_model(CONFIG, seed=1)),
+                                "medusa": LoadedHeads(random_heads(model))})
     head = EagleHead(EagleConfig.for_model(model.config, draft_vocab=64), rngs=nnx.Rngs(0))
-    eng.set_eagle(head, np.arange(64))
+    eng.set_asset("eagle", LoadedEagle(head, np.arange(64)))
     return eng
 
 
@@ -81,7 +85,7 @@ def test_every_proposer_equals_plain_and_its_ring_changes_nothing(eng, ref, spec
 def test_a_draft_equal_to_the_target_accepts_everything(eng, ref, model, monkeypatch):
     """The draft's own ring stays exact although its drafts run K positions past the commit (a ring
     built for its 2-token forwards alone would lose context it needs, and its drafts with it)."""
-    monkeypatch.setattr(eng.assets, "draft", model)
+    monkeypatch.setitem(eng.assets.methods, "draft", DraftModel(model))
     k, m = 4, 21  # (m - 1) % (k + 1) == 0: an always-right draft commits k + 1 a step
     res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig(method="draft", k=k))
     for r, want in zip(res, ref):

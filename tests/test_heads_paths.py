@@ -66,7 +66,7 @@ def test_medusa_manifest_outside_its_directory_is_refused(tiny_model, tmp_path, 
         heads_io.load_heads(heads_dir)
     assert str(heads_dir / "manifest.json") in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match="not inside"):
-        Engine(tiny_model, name="tiny").load_heads(str(heads_dir))
+        Engine(tiny_model, name="tiny").load_asset("medusa", str(heads_dir))
     with pytest.raises(ValueError, match="not inside"):  # saving would have removed what it names
         heads_io.save_heads(heads_dir, _medusa(tiny_model), dict(model="tiny", weights_id="w"))
     _untouched(heads_dir, sentinel, text, before)
@@ -83,7 +83,7 @@ def test_eagle_manifest_outside_its_directory_is_refused(tiny_model, tmp_path, b
     with pytest.raises(ValueError, match="not inside"):
         eagle_io.load_head(head_dir)
     with pytest.raises(ValueError, match="not inside"):
-        Engine(tiny_model, name="tiny").load_eagle(str(head_dir))
+        Engine(tiny_model, name="tiny").load_asset("eagle", str(head_dir))
     with pytest.raises(ValueError, match="not inside"):
         eagle_io.save_head(head_dir, _eagle(tiny_model), ids, dict(model="tiny", weights_id="w"))
     _untouched(head_dir, sentinel, text, before)

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from specjax.models import gguf_loader, hf_loader, linear, loader, catalog
+from specjax.models import catalog, gguf_loader, hf_loader, linear, loader, quant
 from specjax.models.config import ModelConfig
 from specjax.models.gguf_loader import GGUFError
 
@@ -412,6 +412,22 @@ def test_gguf_supported_types_are_checked(tmp_path, sources, monkeypatch):
     monkeypatch.setattr(gguf_loader, "SUPPORTED_TYPES", without_f16)
     with pytest.raises(GGUFError, match="quantization type F16"):
         load_gguf(path)
+
+
+def test_gguf_block_type_that_cannot_stay_packed(tmp_path, sources, monkeypatch):
+    """Asked for packed (strict), a tensor whose block type cannot stay packed is refused by name; the
+    loader's default mode (strict=False) dequantizes it to what the dequantized load reads."""
+    path = write_gguf(tmp_path / "src.gguf", sources["qwen2"], arch="qwen2", qtype="Q8_0", tokenizer=False)
+    reader = gguf_loader.open_reader(path)
+    config = gguf_loader.config_from_gguf(reader, name="src")
+    ref = gguf_loader.weights_from_gguf(reader, config)
+    monkeypatch.delitem(quant.BLOCKS, "Q8_0")  # as if Q8_0 were a type the kernel does not read
+    with pytest.raises(quant.UnsupportedBlockType, match="is Q8_0, which cannot be kept packed"):
+        gguf_loader.weights_from_gguf(reader, config, packed=True)
+    got = gguf_loader.weights_from_gguf(reader, config, packed=True, strict=False)
+    assert set(got) == set(ref) and not any(isinstance(w, quant.PackedWeight) for w in got.values())
+    for key in ref:
+        np.testing.assert_array_equal(got[key], ref[key])
 
 
 def test_gguf_unknown_architecture(tmp_path, sources):

@@ -27,6 +27,7 @@ from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.core.sampling import SamplingParams
+from specjax.methods.draft.record import DraftModel
 
 V = 16
 CONFIG = model_config.preset("tiny", vocab_size=V, num_layers=1)
@@ -58,7 +59,7 @@ def draft():
 
 @pytest.fixture(scope="module")
 def eng(target, draft):
-    return Engine(target, draft=draft)
+    return Engine(target, assets={"draft": DraftModel(draft)})
 
 
 def conditionals(model, opts):
@@ -156,9 +157,25 @@ def test_recycling_tree_follows_the_target(eng, target, setting):
     assert 0 < int(st.accepted.sum()) < int(st.drafted.sum())
 
 
+@pytest.mark.parametrize("setting", ["t1.0", "top_k4"])
+def test_predicted_outputs_follow_the_target(eng, target, setting):
+    """Drafts copied from a per-row prediction (here the greedy continuation, so that some are
+    accepted and some rejected) depend on committed text and the prediction alone: the samples
+    follow the target."""
+    opts = SETTINGS[setting]
+    predicted = eng.generate([PROMPT], max_new_tokens=2 * NEW)[0].tokens
+    batch = eng.start([PROMPT] * N, GenerateOptions(max_new_tokens=NEW, seed=71 + len(setting), **opts),
+                      spec=SpecConfig.make("predict", k=K, prediction_cap=16), prediction=[predicted] * N)
+    batch.run()
+    toks, st = np.array(batch.new_tokens()), batch.state.stats
+    pvals = pair_pvalues(toks, joint(conditionals(target, opts)))
+    assert min(pvals.values()) > ALPHA, pvals
+    assert 0 < int(st.accepted.sum()) < int(st.drafted.sum())
+
+
 def test_draft_equal_to_target_accepts_everything(eng, target, monkeypatch):
     """p == q: the draft's sampled tokens are all accepted, and the samples still follow p."""
-    monkeypatch.setattr(eng.assets, "draft", target)  # same shapes: the compiled programs serve
+    monkeypatch.setitem(eng.assets.methods, "draft", DraftModel(target))  # same shapes: the compiled programs serve
     opts = SETTINGS["t1.0"]
     toks, st = generate(eng, "draft", opts, seed=7)
     assert int(st.accepted.sum()) >= 0.999 * int(st.drafted.sum())  # not bit-equal: other windows

@@ -18,6 +18,7 @@ from specjax.models import loader
 from specjax.core.proposer import Stateless
 from specjax.core.sampling import Greedy, SamplingParams
 from specjax.models.heads import HeadsConfig, MedusaHeads
+from specjax.methods.medusa.record import LoadedHeads
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
 M = 17
@@ -45,7 +46,7 @@ def assert_accepted(results):
 
 @pytest.fixture(scope="module")
 def eng(tiny_model):
-    return Engine(tiny_model, heads=random_heads(tiny_model))
+    return Engine(tiny_model, assets={"medusa": LoadedHeads(random_heads(tiny_model))})
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_chain_equals_plain(eng, ref, k):
 
 @pytest.mark.parametrize("tree", ["chain4", "small", "medium", ((0,), (1,), (1, 0), (1, 1), (1, 1, 0))])
 def test_tree_equals_plain(eng, ref, tree):
-    res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree=tree))
+    res = eng.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig.make("medusa", tree=tree))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)
 
@@ -74,14 +75,14 @@ def test_tree_equals_plain(eng, ref, tree):
 def test_zero_init_heads_equal_plain(tiny_model, ref):
     """Untrained zero-init heads propose the base LM head's own guess; output is unchanged."""
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config), rngs=nnx.Rngs(0))
-    e = Engine(tiny_model, heads=heads)
-    res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="small"))
+    e = Engine(tiny_model, assets={"medusa": LoadedHeads(heads)})
+    res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig.make("medusa", tree="small"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)
 
 
 def test_own_projection_heads_equal_plain(tiny_model, ref):
-    e = Engine(tiny_model, heads=random_heads(tiny_model, seed=3, own_projection=True))
+    e = Engine(tiny_model, assets={"medusa": LoadedHeads(random_heads(tiny_model, seed=3, own_projection=True))})
     res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", k=3))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)
@@ -131,7 +132,7 @@ def test_tree_accepts_the_right_branch_and_compacts(eng, ref, right, monkeypatch
         table[r, : len(p) + len(t)] = p + t
     prop = TableTreeProposer(k=4, tree=tree, right=right, vocab=eng.config.vocab_size)
     monkeypatch.setattr(eng, "proposer", lambda spec: (prop, jnp.asarray(table)))
-    res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig(method="medusa", tree=tree))
+    res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig.make("medusa", tree=tree))
     for r, want in zip(res, ref):
         assert r.tokens == want[:m]  # wrong K/V moved into place would change later tokens
         assert r.tau == depth + 1
@@ -199,10 +200,10 @@ def test_tree_samples_follow_the_target(setting):
     import test_lossless as tl
 
     target = loader.init_model(tl.CONFIG, seed=0)
-    e = Engine(target, heads=random_heads(target, seed=2, num_heads=3))
+    e = Engine(target, assets={"medusa": LoadedHeads(random_heads(target, seed=2, num_heads=3))})
     opts = tl.SETTINGS[setting]
     batch = e.start([tl.PROMPT] * tl.N, tl.GenerateOptions(max_new_tokens=tl.NEW, seed=11, **opts),
-                    spec=SpecConfig(method="medusa", tree=WIDE))
+                    spec=SpecConfig.make("medusa", tree=WIDE))
     batch.run()
     toks = np.array(batch.new_tokens())
     pvals = tl.pair_pvalues(toks, tl.joint(tl.conditionals(target, opts)))
@@ -230,19 +231,19 @@ def test_bad_medusa_input(tiny_model, eng):
         eng.generate([[1, 2]], spec=SpecConfig(method="medusa", k=5))
     other = loader.init_model(model_config.preset("tiny", dim=48), seed=0)
     with pytest.raises(ValueError, match="train heads for this model"):
-        bare.set_heads(random_heads(other))
+        bare.set_asset("medusa", LoadedHeads(random_heads(other)))
     before = eng.compile_count
     with pytest.raises(ValueError, match="exceeds"):
-        eng.generate([[1, 2]], spec=SpecConfig(method="medusa", tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0),
-                                                                      (0, 0, 0, 0, 0))))
+        eng.generate([[1, 2]], spec=SpecConfig.make("medusa", tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0),
+                                                                    (0, 0, 0, 0, 0))))
     assert eng.compile_count == before
 
 
 def test_vocab_subset_heads_propose_only_subset_tokens(tiny_model, ref):
     e = Engine(tiny_model)
     subset = np.arange(0, tiny_model.config.vocab_size, 3)
-    e.set_heads(random_heads(tiny_model, seed=4), vocab_subset=subset)
-    spec = SpecConfig(method="medusa", tree="small")
+    e.set_asset("medusa", LoadedHeads(random_heads(tiny_model, seed=4), vocab=subset))
+    spec = SpecConfig.make("medusa", tree="small")
     res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)
@@ -252,7 +253,7 @@ def test_vocab_subset_heads_propose_only_subset_tokens(tiny_model, ref):
     nodes, _, _ = prop.propose(params, st.proposer, st.decode, None, None)
     assert np.isin(np.asarray(nodes), subset).all()
     with pytest.raises(ValueError, match="vocab_subset"):
-        e.set_heads(random_heads(tiny_model), vocab_subset=[tiny_model.config.vocab_size])
+        e.set_asset("medusa", LoadedHeads(random_heads(tiny_model), vocab=[tiny_model.config.vocab_size]))
 
 
 def e_opts():
@@ -262,13 +263,13 @@ def e_opts():
 
 
 def test_heads_carry_their_tuned_tree(tiny_model, ref):
-    e = Engine(tiny_model, heads=random_heads(tiny_model))
+    e = Engine(tiny_model, assets={"medusa": LoadedHeads(random_heads(tiny_model))})
     with pytest.raises(ValueError, match="carry a tuned tree"):
-        e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
+        e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig.make("medusa", tree="heads"))
     tree = [[0], [1], [0, 0], [0, 0, 0]]
-    e.set_heads(random_heads(tiny_model), tree=tree)
-    assert e.build_decoder(e.resolve(SpecConfig(method="medusa", tree="heads")), cache_length=64)[0].window == 5
-    res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig(method="medusa", tree="heads"))
+    e.set_asset("medusa", LoadedHeads(random_heads(tiny_model), tree=tree))
+    assert e.build_decoder(e.resolve(SpecConfig.make("medusa", tree="heads")), cache_length=64)[0].window == 5
+    res = e.generate(PROMPTS, max_new_tokens=M, spec=SpecConfig.make("medusa", tree="heads"))
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert_accepted(res)
     assert res[0].k == 3
@@ -285,8 +286,8 @@ def test_token_input_heads(tiny_model, ref, key):
         zero.features(h)
     heads = random_heads(tiny_model, seed=5, token_input=True)
     assert not np.allclose(heads(h, tiny_model, toks), heads(h, tiny_model, toks + 1))  # it reads them
-    e = Engine(tiny_model, heads=heads)
-    for spec in (SpecConfig(method="medusa", k=4), SpecConfig(method="medusa", tree="small")):
+    e = Engine(tiny_model, assets={"medusa": LoadedHeads(heads)})
+    for spec in (SpecConfig(method="medusa", k=4), SpecConfig.make("medusa", tree="small")):
         res = e.generate(PROMPTS, max_new_tokens=M, spec=spec)
         assert [r.tokens for r in res] == [t[:M] for t in ref]
         assert_accepted(res)

@@ -56,7 +56,7 @@ def test_a_file_is_read_as_before_and_wins_over_a_shipped_name(tmp_path, monkeyp
 
 
 def test_an_unknown_name_says_which_sets_ship():
-    with pytest.raises(ValueError, match=r"'nope' does not exist \(give a file, or a shipped set: tasks, ops, demo\)"):
+    with pytest.raises(ValueError, match=r"'nope' does not exist \(give a file, or a shipped set: tasks, ops, demo, edits\)"):
         read_prompts("nope")
     with pytest.raises(ValueError, match="no shipped prompt set 'nope'"):
         prompts.shipped("nope")

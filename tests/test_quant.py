@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -114,20 +116,47 @@ def smollm2_packed(smollm2_path):
     return loader.load(str(smollm2_path), weights="packed")
 
 
-def test_smollm2_packed_holds_blocks_and_counts_their_bytes(smollm2_packed, smollm2):
-    wq = smollm2_packed.model.layers[0].attn.wq
+@pytest.fixture(scope="module")
+def smollm2_fp32(smollm2_path):
+    return loader.load(str(smollm2_path), weights="dequantized")
+
+
+def test_default_weights_are_packed_on_cpu_with_the_kernel(monkeypatch):
+    if jax.default_backend() == "cpu" and linear.packed_kernel_available():
+        assert loader.default_weights() == "packed"
+    assert loader.default_weights("bfloat16", backend="cpu") == "dequantized"
+    assert loader.default_weights(backend="gpu") == "dequantized"
+    monkeypatch.setenv("SPECJAX_DENSE_KERNEL", "0")  # no kernel: the in-graph dequantization would run
+    assert loader.default_weights(backend="cpu") == "dequantized"  # every step; fp32 at load is faster
+
+
+def test_smollm2_packed_holds_blocks_and_counts_their_bytes(smollm2_packed, smollm2_fp32):
+    wq, embed = smollm2_packed.model.layers[0].attn.wq, smollm2_packed.model.embed
     assert wq[...].dtype == jnp.uint8 and wq.get_metadata()["packed"][0] == "Q4_1"
-    # the Q4_1 projections (106.2M weights) stay 5 bits a weight; the Q8_0 embedding is fp32 in both
-    saved = loader.weight_bytes(smollm2.model) - loader.weight_bytes(smollm2_packed.model)
-    assert saved == pytest.approx(106.2e6 * (4 - 20 / 32), rel=0.01)
+    assert embed[...].dtype == jnp.uint8 and embed.get_metadata()["packed"] == ("Q8_0", 49152, 576)
+    # the Q4_1 projections (106.2M weights) stay 5 bits a weight, the Q8_0 tied embedding (28.3M) 8.5
+    saved = loader.weight_bytes(smollm2_fp32.model) - loader.weight_bytes(smollm2_packed.model)
+    assert saved == pytest.approx(106.2e6 * (4 - 20 / 32) + 49152 * 576 * (4 - 34 / 32), rel=0.01)
 
 
-def test_smollm2_packed_logits_and_greedy_equal_dequantized(smollm2_packed, smollm2):
-    ids = smollm2.tokenizer.encode("The capital of France is")
-    a, b = padded_logits(smollm2_packed.model, [ids]), padded_logits(smollm2.model, [ids])
+def test_smollm2_packed_embedding_reads_gguf_rows(smollm2_packed, smollm2_fp32):
+    """The packed embedding's rows (the lookup, the tied LM head's rows, the whole table) are the
+    dequantized load's, bit for bit; out-of-range ids clip as the dense table's do."""
+    packed, dense = smollm2_packed.model, smollm2_fp32.model
+    ids = jnp.asarray([[0, 5, 49151], [17, 1000, 60000]], jnp.int32)
+    np.testing.assert_array_equal(_bits(packed.embed_tokens(ids)), _bits(dense.embed_tokens(ids)))
+    np.testing.assert_array_equal(_bits(packed.lm_head_rows(ids[0])), _bits(dense.lm_head_rows(ids[0])))
+    np.testing.assert_array_equal(_bits(packed.embedding()), _bits(dense.embed[...]))
+    w, layout = packed.lm_head_weight()
+    assert layout == "nk" and w.dtype == jnp.float32 and w.shape == (49152, 576)
+
+
+def test_smollm2_packed_logits_and_greedy_equal_dequantized(smollm2_packed, smollm2_fp32):
+    ids = smollm2_fp32.tokenizer.encode("The capital of France is")
+    a, b = padded_logits(smollm2_packed.model, [ids]), padded_logits(smollm2_fp32.model, [ids])
     np.testing.assert_array_equal(_bits(a), _bits(b))
     (ours,) = Engine(smollm2_packed.model, smollm2_packed.tokenizer).generate([ids], max_new_tokens=16, stop_ids=())
-    (ref,) = Engine(smollm2.model, smollm2.tokenizer).generate([ids], max_new_tokens=16, stop_ids=())
+    (ref,) = Engine(smollm2_fp32.model, smollm2_fp32.tokenizer).generate([ids], max_new_tokens=16, stop_ids=())
     assert len(ref.tokens) == 16 and ours.tokens == ref.tokens
 
 
@@ -138,7 +167,7 @@ def test_gemma3_packed_logits_equal_dequantized(gemma3_path):
                                                    packed.model.layers[1].mlp.w_down)} >= {"Q5_0"}
     a = padded_logits(packed.model, [ids])
     del packed
-    b = padded_logits(loader.load(str(gemma3_path)).model, [ids])
+    b = padded_logits(loader.load(str(gemma3_path), weights="dequantized").model, [ids])
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
@@ -184,6 +213,30 @@ def test_kernel_product_is_dense_nk_on_the_dequantized_weight(packed_kernel, qty
             np.testing.assert_array_equal(_bits(alone[0]), _bits(got[r]))
 
 
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="needs an AVX-512 CPU to compare its two builds")
+def test_portable_build_equals_the_avx512_build(packed_kernel):
+    """Built without AVX-512 (scalar dequantization, scratch path for every row count), the kernel gives
+    the AVX-512 build's bits (its fused 1-3-row path and its vector scratch path)."""
+    target = linear.register_packed_variant("specjax_qdense_nk_portable", ("-mno-avx512f",))
+    rng = np.random.default_rng(11)
+    for qtype in quant.PACKED_TYPES:
+        block = quant.BLOCKS[qtype][0]
+        n, k = 19, 3 * block
+        raw = jnp.asarray(_random_blocks(qtype, n, k, seed=5))
+        for m in (1, 3, 4, 9):
+            x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
+            a = linear.qdense_nk_kernel(x, raw, qtype, (n, k))
+            b = linear.qdense_nk_kernel(x, raw, qtype, (n, k), target=target)
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{qtype}, {m} rows")
+
+
 def test_kernel_refuses_mismatched_blocks(packed_kernel):
     with pytest.raises(ValueError, match="Q3_K is not one of"):
         linear.qdense_nk_kernel(jnp.zeros((1, 256)), jnp.zeros((2, 110), jnp.uint8), "Q3_K", (2, 256))
@@ -199,10 +252,10 @@ def test_dense_of_a_packed_weight_without_the_kernel_dequantizes(monkeypatch):
         np.testing.assert_allclose(linear.dense(x, w, layout), ref, rtol=1e-6, atol=1e-6)
 
 
-def test_smollm2_packed_greedy_kernel_equals_in_graph_fallback(smollm2_packed, smollm2, monkeypatch):
+def test_smollm2_packed_greedy_kernel_equals_in_graph_fallback(smollm2_packed, monkeypatch):
     """Greedy tokens: the packed kernel (1-row steps) == the dequantized load; the in-graph fallback
     (kernels off) picks the same top-1 at every position of a prompt."""
-    ids = smollm2.tokenizer.encode("Speculative decoding is a way to")
+    ids = smollm2_packed.tokenizer.encode("Speculative decoding is a way to")
     kernel = padded_logits(smollm2_packed.model, [ids])
     monkeypatch.setenv("SPECJAX_DENSE_KERNEL", "0")
     fallback = padded_logits(smollm2_packed.model, [ids], length=len(ids) + 1)[:, :len(ids)]  # a new trace

@@ -12,6 +12,7 @@ from flax import nnx
 
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
+from specjax.methods.eagle.record import LoadedEagle
 from train_heads import eagle as train
 
 
@@ -221,10 +222,10 @@ def test_new_recipe_heads_decode_exactly_like_plain(tiny_model, tmp_path, featur
     tr.ckpts.close()
     eagle_io.save_head(tmp_path / "head", tr.head, ids, dict(model="tiny", weights_id="w"))
     head, got_ids, _ = eagle_io.load_head(tmp_path / "head")
-    eng.set_eagle(head, got_ids)
+    eng.set_asset("eagle", LoadedEagle(head, got_ids))
     test_prompts = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
     ref = [r.tokens for r in eng.generate(test_prompts, max_new_tokens=32)]
-    for spec in (SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=8, topk=3)):
+    for spec in (SpecConfig(method="eagle", k=3), SpecConfig.make("eagle", k=3, nodes=8, topk=3)):
         out = eng.generate(test_prompts, max_new_tokens=32, spec=spec)
         assert [r.tokens for r in out] == ref
         assert sum(r.counters.num_accepted_tokens for r in out) > 0

@@ -19,6 +19,9 @@ from specjax.core.proposer import Stateless
 from specjax.serving.scheduler import Scheduler, poisson_arrivals
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
+from specjax.methods.eagle.record import LoadedEagle
+from specjax.methods.medusa.record import LoadedHeads
+from specjax.methods.draft.record import DraftModel
 
 PROMPTS = [
     [5, 9, 12, 5, 9, 12, 5, 9],
@@ -32,12 +35,12 @@ BUDGETS = [20, 7, 16, 3, 12, 9]
 M = 20
 SPECS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4), "auto": "auto",
          "draft": SpecConfig(method="draft", k=3), "medusa": SpecConfig(method="medusa", k=3),
-         "medusa-tree": SpecConfig(method="medusa", tree="small"), "auto-medusa": "auto",
-         "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2), "auto-eagle": "auto"}
+         "medusa-tree": SpecConfig.make("medusa", tree="small"), "auto-medusa": "auto",
+         "eagle-tree": SpecConfig.make("eagle", k=3, nodes=6, topk=2), "auto-eagle": "auto"}
 AUTO_EAGLE = ControllerConfig(ks=(0, 2), methods=("ngram",), extra=(
-    SpecConfig(method="eagle", k=3), SpecConfig(method="eagle", k=3, nodes=6, topk=2)), prior_alpha=0.9)
+    SpecConfig(method="eagle", k=3), SpecConfig.make("eagle", k=3, nodes=6, topk=2)), prior_alpha=0.9)
 AUTO_MEDUSA = ControllerConfig(ks=(0, 2, 4), methods=("ngram",), extra=(
-    SpecConfig(method="medusa", k=2), SpecConfig(method="medusa", tree="small")), prior_alpha=0.9)
+    SpecConfig(method="medusa", k=2), SpecConfig.make("medusa", tree="small")), prior_alpha=0.9)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,10 @@ def eng(tiny_model):
     k1, k2 = jax.random.split(jax.random.key(0))
     heads.w[...] = jax.random.normal(k1, heads.w.shape) * 0.5 * tiny_model.config.dim ** -0.5
     heads.b[...] = jax.random.normal(k2, heads.b.shape) * 0.5
-    eng = Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny"), seed=1), heads=heads)
-    eng.set_eagle(EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2)),
-                  np.arange(64))
+    eng = Engine(tiny_model, assets={"draft": DraftModel(loader.init_model(model_config.preset("tiny"), seed=1)),
+                                     "medusa": LoadedHeads(heads)})
+    head = EagleHead(EagleConfig.for_model(tiny_model.config, draft_vocab=64), rngs=nnx.Rngs(2))
+    eng.set_asset("eagle", LoadedEagle(head, np.arange(64)))
     return eng
 
 
@@ -92,7 +96,7 @@ def test_every_request_once_with_its_alone_tokens(eng, alone, method):
     assert mem["caches"] > 0 and (mem["draft_weights"] > 0) == (method not in ("none", "ngram", "auto"))
     if method == "auto-medusa":
         assert set(s.cost.seconds) == set(AUTO_MEDUSA.options)
-        small = SpecConfig(method="medusa", tree="small")
+        small = SpecConfig.make("medusa", tree="small")
         assert {o.label for o in s.cost.seconds} == {"none", "ngram:2", "ngram:4", "medusa:2", f"medusa-tree:{small.k}"}
         used = {k for r in out for k in r.chunks}
         assert used - {"none"}, used  # with an optimistic prior it speculates at first
@@ -356,10 +360,10 @@ def test_an_option_and_its_resolved_spec_are_one_option(tiny_model):
     and a request naming the unresolved one gets that same option."""
     heads = MedusaHeads(HeadsConfig.for_model(tiny_model.config, num_heads=4), base=tiny_model, rngs=nnx.Rngs(0))
     e = Engine(tiny_model)
-    e.set_heads(heads, tree=[[0], [1], [0, 0], [0, 0, 0]])
-    given = SpecConfig(method="medusa", tree="heads")
+    e.set_asset("medusa", LoadedHeads(heads, tree=[[0], [1], [0, 0], [0, 0, 0]]))
+    given = SpecConfig.make("medusa", tree="heads")
     resolved = e.resolve(given)
-    assert given != resolved and given.label == "medusa-tree:heads" and resolved.label == "medusa-tree:3"
+    assert given != resolved and resolved.label == "medusa-tree:3"  # the tuned tree, depth 3
     cfg = ControllerConfig(ks=(0, 2), extra=(given, resolved))
     s = Scheduler(e, slots=1, spec="auto", controller=cfg, opts=GenerateOptions(max_new_tokens=4), max_prompt_tokens=8)
     assert s.options == s.ccfg.options == (PLAIN, SpecConfig(method="ngram", k=2), resolved)

@@ -30,13 +30,16 @@ from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.core.sampling import SamplingParams, filtered_logits
+from specjax.methods.eagle.record import LoadedEagle
+from specjax.methods.draft.record import DraftModel
+from specjax.methods.medusa.record import LoadedHeads
 
-# The suite runs on 2 fake CPU devices (conftest); this module needs 8 and runs in a process of its own
-# (tests/test_mesh_process.py starts it). Eight devices for the whole suite deadlocked XLA:CPU's
-# in-process collectives on the 2-core test machine (7 of 8 device threads reached an all-reduce of
-# the real-model head-training notebook; the 8th never did), so the other tests keep their 2.
-pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="runs on 8 devices in its own process "
-                                "(tests/test_mesh_process.py)")
+# The suite runs on 2 fake CPU devices (conftest); this module needs 8 and is its own pass, `pytest -m
+# mesh` (conftest gives that process 8 devices; `make test` runs it beside the rest). Eight devices for
+# the whole suite deadlocked XLA:CPU's in-process collectives on the 2-core test machine (7 of 8 device
+# threads reached an all-reduce of the real-model head-training notebook; the 8th never did), so the
+# other tests keep their 2.
+pytestmark = pytest.mark.mesh
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 METHODS = {
@@ -44,9 +47,9 @@ METHODS = {
     "ngram": SpecConfig(method="ngram", k=4),
     "draft": SpecConfig(method="draft", k=3),
     "medusa": SpecConfig(method="medusa", k=3),
-    "tree": SpecConfig(method="medusa", tree="small"),
+    "tree": SpecConfig.make("medusa", tree="small"),
     "eagle": SpecConfig(method="eagle", k=3),
-    "eagle-tree": SpecConfig(method="eagle", k=3, nodes=6, topk=2),
+    "eagle-tree": SpecConfig.make("eagle", k=3, nodes=6, topk=2),
 }
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41], [7, 7, 7],
            [10, 3, 2, 1], [1], [60, 61, 62, 60, 61, 62], [9, 8, 7, 6, 5]]
@@ -69,11 +72,15 @@ def _eagle_head(model, seed=4):
     return EagleHead(EagleConfig.for_model(model.config, draft_vocab=model.config.vocab_size), rngs=nnx.Rngs(seed))
 
 
-def _eng(target, *, eagle=None, **kw):
-    """An Engine that also holds a random EAGLE head (same seed everywhere: the same weights)."""
-    eng = Engine(target, **kw)
-    eng.set_eagle(eagle if eagle is not None else _eagle_head(target), np.arange(target.config.vocab_size))
-    return eng
+def _eng(target, *, draft=None, heads=None, eagle=None, mesh=None):
+    """An Engine holding the given draft model and heads, and a random EAGLE head (same seed
+    everywhere: the same weights)."""
+    assets = {"eagle": LoadedEagle(eagle if eagle is not None else _eagle_head(target), np.arange(target.config.vocab_size))}
+    if draft is not None:
+        assets["draft"] = DraftModel(draft)
+    if heads is not None:
+        assets["medusa"] = LoadedHeads(heads)
+    return Engine(target, mesh=mesh, assets=assets)
 
 
 def make_assets():
@@ -236,6 +243,25 @@ def test_gemma3_with_its_ring_on_a_mesh_equals_one_device():
         _same(mesh, one)
 
 
+def test_gemma3s_planned_cache_bytes_count_its_rings():
+    """The memory plan of a tiny Gemma 3's cache (two sliding layers in rings of the window, one global
+    layer of the full length, the rings' bookkeeping) equals the bytes its placed decode state holds on
+    a device, on every mesh, and is less than full-length layers would be."""
+    from test_kv_cache import CONFIG, random_model
+
+    model, c = random_model(CONFIG), CONFIG
+    for dp, tp in MESHES:
+        m = sharding.make_mesh(data=dp, model=tp)
+        batch = _eng(model, mesh=m).start(PROMPTS, GenerateOptions(max_new_tokens=16),
+                                          spec=SpecConfig(method="ngram", k=4))
+        state, window = batch.prefill(), batch.decoder.window
+        length = state.decode.tokens.shape[1]
+        planned = sharding.cache_bytes_per_device(model, len(PROMPTS), length, m, window=window)
+        assert planned == sharding.shard_bytes(state.decode.cache, jax.devices()[0])
+        kv = c.num_kv_heads // tp if c.num_kv_heads % tp == 0 else c.num_kv_heads
+        assert planned < 2 * c.num_layers * (len(PROMPTS) // dp) * length * kv * c.head_dim * 4
+
+
 # ---- layout ------------------------------------------------------------------------------------
 
 
@@ -287,9 +313,9 @@ def test_param_layout_on_a_4x2_mesh(assets):
     assert spec(a.attn.wq[...]) == P(None, "model") and spec(a.attn.wo[...]) == P("model")  # K=2, tp=2
     assert spec(a.mlp.w_up[...]) == P(None, "model") and spec(a.mlp.w_down[...]) == P("model")
     assert spec(a.attn_norm.scale[...]) == P()
-    eng4 = Engine(target, draft=draft, mesh=sharding.make_mesh(data=2, model=4))
+    eng4 = Engine(target, mesh=sharding.make_mesh(data=2, model=4), assets={"draft": DraftModel(draft)})
     assert spec(eng4.model.layers[0].attn.wq[...]) == P()  # K=2 does not divide tp=4: replicated
-    assert spec(eng4.draft.layers[0].attn.wq[...]) == P(None, "model")  # the draft's K=4 does
+    assert spec(eng4.asset("draft").module.layers[0].attn.wq[...]) == P(None, "model")  # the draft's K=4 does
 
 
 # ---- compiled programs -------------------------------------------------------------------------
@@ -358,11 +384,11 @@ def test_per_device_bytes_match_the_layout(assets):
         state = b.prefill()
         cache_len = state.decode.tokens.shape[1]
         assert sharding.shard_bytes(state.decode.cache, dev) == sharding.cache_bytes_per_device(
-            c, len(PROMPTS), cache_len, m)
+            target, len(PROMPTS), cache_len, m)
         assert sharding.shard_bytes(state.proposer, dev) == sharding.cache_bytes_per_device(
-            draft.config, len(PROMPTS), cache_len, m)
+            draft, len(PROMPTS), cache_len, m)
         kv = c.num_kv_heads // tp if c.num_kv_heads % tp == 0 else c.num_kv_heads
-        assert sharding.cache_bytes_per_device(c, 8, cache_len, m) == \
+        assert sharding.cache_bytes_per_device(target, 8, cache_len, m) == \
             2 * c.num_layers * (8 // dp) * cache_len * kv * c.head_dim * 4
         report = sharding.memory_report(eng, batch=8, cache_length=cache_len)
         assert report.parts["weights"] == got and report.mesh == sharding.describe(m)

@@ -25,6 +25,7 @@ from specjax.core.proposer import Stateless
 from specjax.core.sampling import Greedy, Sample, SamplingParams
 from specjax.core.state import DecodeState, Shared
 from specjax.core.tree import chain_topology
+from specjax.methods.draft.record import DraftModel
 
 PROMPTS = [
     [5, 9, 12, 5, 9, 12, 5, 9],  # repeats: prompt lookup finds matches
@@ -45,7 +46,7 @@ def draft_model():
 
 @pytest.fixture(scope="module")
 def eng(tiny_model, draft_model):
-    return Engine(tiny_model, draft=draft_model)
+    return Engine(tiny_model, assets={"draft": DraftModel(draft_model)})
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_random_draft_model_equals_plain(eng, ref, k):
 def test_draft_equal_to_target_accepts_everything(eng, ref, tiny_model, monkeypatch):
     """The draft's own cache stays in step with the commits: a draft identical to the target is
     always right, so every step accepts all K (a cache position off by one would break this)."""
-    monkeypatch.setattr(eng.assets, "draft", tiny_model)
+    monkeypatch.setitem(eng.assets.methods, "draft", DraftModel(tiny_model))
     k, m = 4, ALIGNED[4]
     res = eng.generate(PROMPTS, max_new_tokens=m, spec=SpecConfig(method="draft", k=k))
     for r, want in zip(res, ref):
@@ -331,16 +332,16 @@ def test_bad_input_fails_before_compiling(tiny_model, eng):
 def test_draft_vocabulary_must_match(tiny_model):
     e = Engine(tiny_model)
     with pytest.raises(ValueError, match="vocabulary"):
-        e.set_draft(loader.init_model(model_config.preset("tiny", vocab_size=32), seed=2))
-    assert e.draft is None
+        e.set_asset("draft", DraftModel(loader.init_model(model_config.preset("tiny", vocab_size=32), seed=2)))
+    assert e.asset("draft") is None
     with pytest.raises(ValueError, match="vocabulary"):
-        Engine(tiny_model, draft=loader.init_model(model_config.preset("tiny", vocab_size=80), seed=2))
+        Engine(tiny_model, assets={"draft": DraftModel(loader.init_model(model_config.preset("tiny", vocab_size=80), seed=2))})
 
 
 def test_draft_larger_than_target_warns(tiny_model):
     big = loader.init_model(model_config.preset("tiny", num_layers=4), seed=2)
     with pytest.warns(UserWarning, match="larger than its target"):
-        Engine(tiny_model, draft=big)
+        Engine(tiny_model, assets={"draft": DraftModel(big)})
 
 
 # ---- the library under the project's strict numpy settings ---------------------------------------

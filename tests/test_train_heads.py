@@ -283,6 +283,6 @@ def test_default_heads_for_a_model_with_none_shipped_say_how_to_train_them(tiny_
 
     eng = Engine(tiny_model, name="tiny")
     with pytest.raises(ValueError, match=r"no Medusa heads are shipped for model 'tiny'.*train-heads --model tiny"):
-        eng.load_heads("default")
+        eng.load_asset("medusa", "default")
     with pytest.raises(ValueError, match=r"no EAGLE head is shipped for model 'tiny'.*--kind eagle --model tiny"):
-        eng.load_eagle("default")
+        eng.load_asset("eagle", "default")

@@ -1,6 +1,7 @@
 """Heads tuning: accuracy by rank, the frequent-token subset."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -26,7 +27,7 @@ def test_rank_accuracy_matches_a_direct_count(tiny_model):
     acc = rank_accuracy(heads, tiny_model, data, ranks=cfg.vocab_size, batch=4)
     assert acc.shape == (2, cfg.vocab_size)
     np.testing.assert_allclose(acc.sum(1), 1.0)  # the label is at exactly one rank
-    logits = np.asarray(heads(np.asarray(data.hidden, np.float32), tiny_model))
+    logits = np.asarray(heads(jnp.asarray(data.hidden, jnp.float32), tiny_model))
     labels = data.labels(2)
     for m in range(2):
         ok = labels[:, m] >= 0

@@ -27,6 +27,7 @@ from specjax.methods import EagleProposer, MedusaProposer, NgramProposer
 from specjax.core.proposer import Stateless
 from specjax.core.sampling import Greedy, Sample
 from specjax.core.tree import chain_topology
+from specjax.methods.eagle.record import LoadedEagle
 from test_speculative import PROMPTS, REF_NEW, _state, _table
 
 M = 17
@@ -115,7 +116,7 @@ def test_out_of_range_tree_drafts_equal_plain(eng, ref, monkeypatch):
     prop = OutOfRangeTree(k=depth, tree=tree, vocab=eng.config.vocab_size)
     params = (_table(ref), None)
     monkeypatch.setattr(eng, "proposer", lambda spec: (prop, params))
-    batch = eng.start(PROMPTS, GenerateOptions(max_new_tokens=M), spec=SpecConfig(method="medusa", tree=tree))
+    batch = eng.start(PROMPTS, GenerateOptions(max_new_tokens=M), spec=SpecConfig.make("medusa", tree=tree))
     res = batch.run()
     assert [r.tokens for r in res] == [t[:M] for t in ref]
     assert all(r.tau > 1 for r in res)
@@ -175,7 +176,7 @@ def test_eagle_draft_ids_out_of_range_refused(tiny_model, tmp_path, bad):
     with pytest.raises(ValueError, match=rf"draft_ids.*{bad}.*vocabulary of {v}"):
         EagleProposer.from_head(head, ids, tiny_model, k=2)
     with pytest.raises(ValueError, match=rf"{bad}.*vocabulary of {v}"):
-        Engine(tiny_model).set_eagle(head, ids)
+        Engine(tiny_model).set_asset("eagle", LoadedEagle(head, ids))
     with pytest.raises(ValueError, match=rf"{bad}.*vocabulary of {v}"):
         eagle_io.save_head(tmp_path / "refused", head, ids, dict(model="tiny", weights_id="w"))
     assert not (tmp_path / "refused" / "manifest.json").exists()
@@ -189,7 +190,7 @@ def test_eagle_draft_ids_out_of_range_refused(tiny_model, tmp_path, bad):
     assert str(tmp_path / "h") in msg and "params-" in msg and f"{bad}" in msg and f"vocabulary of {v}" in msg
     assert msg.count("\n") == 0
     with pytest.raises(ValueError, match=rf"{bad}.*vocabulary of {v}"):
-        Engine(tiny_model, name="tiny").load_eagle(str(tmp_path / "h"))
+        Engine(tiny_model, name="tiny").load_asset("eagle", str(tmp_path / "h"))
 
 
 def test_eagle_draft_ids_in_range_round_trip(tiny_model, tmp_path):
@@ -208,15 +209,15 @@ def test_medusa_vocab_json_out_of_range_refused(tiny_model, tmp_path):
     for bad in ([1, 2, v], [3, -1], [1, "x"], {"a": 1}, []):
         (tmp_path / "vocab.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError) as e:
-            eng.load_heads(str(tmp_path))
+            eng.load_asset("medusa", str(tmp_path))
         assert str(tmp_path / "vocab.json") in str(e.value), e.value
-        assert eng.heads is None
+        assert eng.asset("medusa") is None
     (tmp_path / "vocab.json").write_text(json.dumps([1, 2, v]))
     with pytest.raises(ValueError, match=rf"id {v} .*vocabulary of {v}"):
-        eng.load_heads(str(tmp_path))
+        eng.load_asset("medusa", str(tmp_path))
     (tmp_path / "vocab.json").write_text(json.dumps([1, 2, v - 1]))
-    eng.load_heads(str(tmp_path))
-    assert eng.heads.vocab == (1, 2, v - 1)
+    eng.load_asset("medusa", str(tmp_path))
+    assert eng.asset("medusa").vocab == (1, 2, v - 1)
 
 
 def test_shipped_draft_vocabularies_are_in_range():

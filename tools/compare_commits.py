@@ -48,13 +48,13 @@ def worker(args) -> None:
     from specjax.bench.prompts import read_prompts
 
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
-    eng = Engine.load("smollm2-135m", heads="default")
+    eng = Engine.load("smollm2-135m", assets={"medusa": "default"})
     if args.scheduler:
         return print(json.dumps(_serve(eng, prompts, args)))
     rows = []
     for p in prompts:
         for m, kw in ((m, METHODS[m]) for m in args.methods.split(",")):
-            r = eng.generate([p.text], chat=True, max_new_tokens=args.max_new_tokens, spec=SpecConfig(**kw))[0]
+            r = eng.generate([p.text], chat=True, max_new_tokens=args.max_new_tokens, spec=SpecConfig.make(**kw))[0]
             tau = r.tau if hasattr(r, "tau") else r.extra["tau"]
             rows.append(dict(method=m, task=p.task, tokens=r.tokens, new=r.new_tokens, wall=r.wall_s,
                              ttft=r.ttft_s, compile=r.compile_s, tau=tau, fwd=r.target_forwards))
@@ -71,7 +71,7 @@ def _serve(eng, prompts, args) -> list[dict]:
 
     rows = []
     for m in args.methods.split(","):
-        spec = "auto" if METHODS[m] is None else SpecConfig(**METHODS[m])
+        spec = "auto" if METHODS[m] is None else SpecConfig.make(**METHODS[m])
         s = Scheduler(eng, slots=args.scheduler, spec=spec, opts=GenerateOptions(max_new_tokens=args.max_new_tokens),
                       chat=True)
         for p in prompts:

@@ -39,11 +39,11 @@ assert spec.tokens == plain.tokens
 print(f"tau {spec.tau:.2f}, accepted per draft position {spec.counters.accepted_tokens_per_pos}")
 print(f"{spec.tok_per_s:.1f} tok/s vs {plain.tok_per_s:.1f} plain (one prompt: a rough figure)")""",
 "md:## Medusa heads\nHeads trained on the target's own answers (`specjax train-heads`) read its last hidden state and guess the next tokens. A chain verifies each head's top-1; a tree verifies several candidates per head in one forward, with a tree attention mask. Greedy output is still identical to the plain loop.",
-"""eng.load_heads("default")  # the heads shipped for SmolLM2-135M
-for spec in (SpecConfig(method="medusa", k=4), SpecConfig(method="medusa", tree="heads")):
+"""eng.load_asset("medusa", "default")  # the heads shipped for SmolLM2-135M
+for spec in (SpecConfig(method="medusa", k=4), SpecConfig.make("medusa", tree="heads")):
     r = eng.generate([prompt], chat=True, max_new_tokens=64, spec=spec)[0]
     assert r.tokens == plain.tokens
-    print(f"{'tree' if spec.tree else 'chain'}: tau {r.tau:.2f}, {r.tok_per_s:.1f} tok/s vs {plain.tok_per_s:.1f} plain")""",
+    print(f"{'tree' if spec.is_tree else 'chain'}: tau {r.tau:.2f}, {r.tok_per_s:.1f} tok/s vs {plain.tok_per_s:.1f} plain")""",
 "md:## Sampling\nTemperature, top-k and top-p are per-row arrays: changing them, even row by row, does not recompile. Speculative sampling is lossless: the output follows the target's distribution. Each prompt draws its own random stream (seed and global row index).",
 """n = eng.compile_count
 rows = eng.generate([prompt] * 3, chat=True, max_new_tokens=24, temperature=(0.5, 1.0, 1.3), top_p=0.9, seed=0,
@@ -155,7 +155,7 @@ methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", k=4)}
 # token recycling: its warm start and the template tuned on this machine, shipped for smollm2-135m
 methods["recycle"] = eng.tuned("recycle")
 if model == "smollm2-135m":  # the EAGLE head shipped for it, its tuned chain
-    eng.load_eagle("default")
+    eng.load_asset("eagle", "default")
     methods["eagle"] = eng.tuned("eagle")
 speculative = [m for m in methods if m != "none"]
 [(p.task, len(p.text)) for p in prompts]""",
@@ -202,6 +202,7 @@ import tempfile
 import numpy as np
 
 from specjax import Engine, SpecConfig
+from specjax.methods.medusa.record import LoadedHeads
 from specjax.models.heads import HeadsConfig
 from specjax.bench.prompts import read_prompts
 from train_heads.data import TokenData, teacher_force
@@ -224,7 +225,7 @@ trainer = Trainer(HeadsConfig.for_model(eng.config, num_heads=3, token_input=Tru
 metrics = trainer.fit(progress=False)
 print("held-out top-1 per head:", metrics["top1"], "(the base LM head's own top-1: %s)" % metrics["base_top1"])""",
 "md:## Use them: greedy output stays identical to the plain loop",
-"""eng.set_heads(trainer.heads)
+"""eng.set_asset("medusa", LoadedHeads(trainer.heads))
 plain = eng.generate(texts[:2], chat=True, max_new_tokens=48)
 medusa = eng.generate(texts[:2], chat=True, max_new_tokens=48, spec=SpecConfig(method="medusa", k=3))
 assert [r.tokens for r in medusa] == [r.tokens for r in plain]

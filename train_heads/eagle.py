@@ -356,7 +356,7 @@ def make_steps(head_graphdef, target_graphdef, config: EagleConfig, cfg: EagleTr
         if cached:
             return cached_teacher(config, batch), frozen["embed"], frozen["w_ids"]
         target = nnx.merge(target_graphdef, frozen)
-        return teacher(target, config, batch["tokens"]), target.embed[...], eagle_model.lm_rows(target, ids)
+        return teacher(target, config, batch["tokens"]), target.embedding(), eagle_model.lm_rows(target, ids)
 
     @functools.partial(jax.jit, static_argnames=("rows",))
     def train_step(params, opt_state, frozen, ids, batch, key, *, rows):
@@ -433,7 +433,7 @@ class EagleTrainer(ResumableRun):
         self.target_graphdef, target_params = nnx.split(target)
         self.ids = jax.device_put(jnp.asarray(draft_ids, jnp.int32), self.replicated)
         if self.cached:  # only what the loss needs of the target: its embedding and LM-head rows
-            self.frozen = jax.device_put(dict(embed=target.embed[...], w_ids=eagle_model.lm_rows(target, self.ids)),
+            self.frozen = jax.device_put(dict(embed=target.embedding(), w_ids=eagle_model.lm_rows(target, self.ids)),
                                          self.replicated)
         else:
             self.frozen = jax.device_put(target_params, self.replicated)

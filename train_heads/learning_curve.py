@@ -88,7 +88,7 @@ def bench(out_json, prompts_file, heads, *, per_task=2, k=3, max_new_tokens=128,
     rows = b.run(engine, prompts, {"none": SpecConfig()}, opts, chat=True, progress=False)
     results = {}
     for h in heads:
-        engine.load_eagle(h)
+        engine.load_asset("eagle", h)
         spec = engine.tuned("eagle", k=k)
         t0 = time.perf_counter()
         rows += b.run(engine, prompts, {h: spec}, opts, chat=True, progress=False)

@@ -24,6 +24,7 @@ from specjax.bench import offline
 from specjax.methods import tree_search
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine
+from specjax.methods.medusa.record import LoadedHeads
 from train_heads import data
 from train_heads.data import TokenData
 
@@ -80,7 +81,7 @@ def step_costs(engine, windows=(1, 2, 3, 5, 9, 17, 33), *, vocab: np.ndarray | N
     measured once and added to every window above 1.
     """
     fwd = offline.window_costs(engine.model, windows=windows)
-    prop, params = engine.proposer(SpecConfig(method="medusa", k=engine.heads.module.config.num_heads))
+    prop, params = engine.proposer(SpecConfig(method="medusa", k=engine.asset("medusa").module.config.num_heads))
     hidden = jnp.zeros((1, engine.config.dim), jnp.float32)
     tokens = jnp.zeros((1,), jnp.int32)
     heads_ms = _median_ms(jax.jit(prop.head_logits), params, hidden, tokens)
@@ -96,20 +97,21 @@ def tune(heads_dir: str | pathlib.Path, model: str = "smollm2-135m", *, vocab_si
     heads_dir = pathlib.Path(heads_dir)
     for f in ("vocab.json", "tree.json"):  # tune the heads themselves, not an earlier tuning
         (heads_dir / f).unlink(missing_ok=True)
-    engine = Engine.load(model, heads=str(heads_dir))
-    man = engine.heads.manifest["data"]
+    engine = Engine.load(model, assets={"medusa": str(heads_dir)})
+    loaded = engine.asset("medusa")
+    man = loaded.manifest["data"]
     rows, _ = data.load(data.default_dir(engine.name, engine.weights_id, max_new_tokens=man["max_new_tokens"],
                                          max_prompt_tokens=man["max_prompt_tokens"]))
     split = man["conversations"]
     held_end = min(split + man["eval_conversations"], rows.num_conversations)
     train, held = rows.conversations(0, split), rows.conversations(split, held_end)
-    heads = engine.heads.module
+    heads = loaded.module
     vocab = frequent_tokens(train.tokens, vocab_size)
     coverage = float(np.isin(held.tokens, vocab).mean())
     log(f"vocab subset: {len(vocab)} tokens cover {coverage:.1%} of held-out response tokens")
     acc = rank_accuracy(heads, engine.model, held, ranks=ranks)
     log("held-out accuracy by rank (rows: heads):\n" + np.array2string(acc, precision=3))
-    engine.set_heads(heads, engine.heads.manifest, vocab_subset=vocab)
+    engine.set_asset("medusa", LoadedHeads(heads, vocab=vocab, manifest=loaded.manifest))
     costs = step_costs(engine)
     log("step cost by window (plain = 1): " + ", ".join(f"{w}: {c:.2f}" for w, c in costs.items()))
     tree, speed = tree_search.choose_tree(acc, costs, max_nodes=max_nodes)

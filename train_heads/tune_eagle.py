@@ -5,7 +5,7 @@ first human turns of the conversations the head did not train on, under the chat
 tok/s against the plain loop in the same run, interleaved so that drift spreads over all of them.
 Stage 1 picks the draft vocabulary size (a chain of 3), stage 2 the chain length, stage 3 the tree
 (depth, node budget, top-k). The choice is written to `tuning.json` beside the head, which
-`Engine.load_eagle` reads: `--method eagle` then runs the tuned chain, `eagle-tree` the tuned
+`Engine.load_asset("eagle", DIR)` reads: `--method eagle` then runs the tuned chain, `eagle-tree` the tuned
 tree, and `auto` offers both.
 """
 
@@ -66,20 +66,20 @@ def tune(eagle_dir: str | pathlib.Path, model: str = "smollm2-135m", *, prompts:
     """Measures the candidates and writes `tuning.json` beside the head; returns what it wrote."""
     eagle_dir = pathlib.Path(eagle_dir)
     (eagle_dir / TUNING).unlink(missing_ok=True)
-    engine = Engine.load(model, eagle=str(eagle_dir))
-    texts = held_out_prompts(engine.assets.eagle.manifest, prompts)
-    most = len(engine.assets.eagle.ids)
+    engine = Engine.load(model, assets={"eagle": str(eagle_dir)})
+    texts = held_out_prompts(engine.asset("eagle").manifest, prompts)
+    most = len(engine.asset("eagle").ids)
     vocabs = [v for v in VOCABS if v < most] + [most]
     log(f"{len(texts)} held-out prompts, {max_new_tokens} new tokens; vocabularies {vocabs}")
-    stage1 = measure(engine, texts, {f"chain3/v{v}": SpecConfig(method="eagle", k=3, draft_vocab=v) for v in vocabs},
+    stage1 = measure(engine, texts, {f"chain3/v{v}": SpecConfig.make("eagle", k=3, draft_vocab=v) for v in vocabs},
                      max_new_tokens=max_new_tokens)
     log(json.dumps(stage1))
     vocab = max(vocabs, key=lambda v: stage1[f"chain3/v{v}"]["tok_s"])
-    stage2 = measure(engine, texts, {f"chain{k}": SpecConfig(method="eagle", k=k, draft_vocab=vocab) for k in CHAINS},
+    stage2 = measure(engine, texts, {f"chain{k}": SpecConfig.make("eagle", k=k, draft_vocab=vocab) for k in CHAINS},
                      max_new_tokens=max_new_tokens)
     log(json.dumps(stage2))
     k = max(CHAINS, key=lambda c: stage2[f"chain{c}"]["tok_s"])
-    stage3 = measure(engine, texts, {f"tree{d}/{n}/{t}": SpecConfig(method="eagle", k=d, nodes=n, topk=t,
+    stage3 = measure(engine, texts, {f"tree{d}/{n}/{t}": SpecConfig.make("eagle", k=d, nodes=n, topk=t,
                                                                      draft_vocab=vocab) for d, n, t in TREES},
                      max_new_tokens=max_new_tokens)
     log(json.dumps(stage3))

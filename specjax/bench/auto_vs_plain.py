@@ -48,7 +48,7 @@ class Runs:
 
 def run(engine, prompts: Sequence, opts, controller, *, slots: int, repeats: int = 3, chat: bool = False,
         stream: Callable[[list[int]], None] | None = None, log: Callable[[str], None] = lambda m: None) -> Runs:
-    """Serves `prompts` (with `.text`, `.task`) `repeats` times in each arm, in turns; `stream` is
+    """Serves `prompts` (with `.text`, `.task`, `.prediction`) `repeats` times in each arm, in turns; `stream` is
     called with the first prompt's tokens after every chunk of the first auto run; `log` gets
     progress lines."""
     from specjax.serving.scheduler import Scheduler
@@ -63,7 +63,7 @@ def run(engine, prompts: Sequence, opts, controller, *, slots: int, repeats: int
             s = Scheduler(engine, slots=slots, spec="auto", controller=controller, opts=opts, chat=chat,
                           max_prompt_tokens=longest, costs=costs)
             for p in prompts:
-                s.submit(p.text, task=p.task, opt_out=arm == "plain")
+                s.submit(p.text, task=p.task, opt_out=arm == "plain", prediction=p.prediction)
             if costs is None:
                 t0, compiles = time.perf_counter(), engine.compile_count
                 s.prepare()

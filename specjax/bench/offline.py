@@ -118,11 +118,14 @@ def run(engine, prompts, specs: dict, opts, *, chat: bool = False, batch_size: i
                 part = prompts[i:i + batch_size]
                 for m, spec in specs.items():
                     bar.set_postfix_str(m)
-                    res = engine.generate([p.text for p in part], chat=chat, batch_size=batch_size,
-                                          spec=spec, **kw)
+                    predicted = [p.prediction for p in part]
+                    res = engine.generate([p.text for p in part], chat=chat, batch_size=batch_size, spec=spec,
+                                          prediction=predicted if any(x is not None for x in predicted) else None,
+                                          **kw)
                     rows += [dict(method=m, rep=rep, id=p.id, task=p.task, tokens=r.tokens,
                                   new_tokens=r.new_tokens, forwards=r.target_forwards, wall_s=r.wall_s,
-                                  ttft_s=r.ttft_s, compile_s=r.compile_s, counters=r.counters)
+                                  ttft_s=r.ttft_s, compile_s=r.compile_s, counters=r.counters,
+                                  prediction=r.prediction)
                              for p, r in zip(part, res)]
                     bar.update(len(part))
     return rows
@@ -174,9 +177,11 @@ def memory(engine, prompts, specs: dict, opts, *, chat: bool, batch_size: int):
 
     longest = max(len(x) for x in engine.encode([p.text for p in prompts], chat=chat))
     bucket = engine.bucket_for(longest)
-    cache = max(engine.build_decoder(s, prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)[0].cache_length
-                for s in specs.values())
-    return sharding.memory_report(engine, batch=engine.rows_for(batch_size), cache_length=cache)
+    decoders = [engine.build_decoder(s, prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens)[0]
+                for s in specs.values()]
+    dec = max(decoders, key=lambda d: (d.cache_length, d.window))
+    return sharding.memory_report(engine, batch=engine.rows_for(batch_size), cache_length=dec.cache_length,
+                                  window=dec.window)
 
 
 def hf_baseline(model: str, engine, prompts, opts, rows, *, chat: bool) -> dict:

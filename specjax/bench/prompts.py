@@ -23,7 +23,7 @@ import importlib.resources
 import json
 import pathlib
 
-SHIPPED = ("tasks", "ops", "demo")  # the sets under specjax/bench/data/, by name
+SHIPPED = ("tasks", "ops", "demo", "edits")  # the sets under specjax/bench/data/, by name
 DEMO = "demo"
 
 
@@ -32,6 +32,7 @@ class Prompt:
     id: str | int
     text: str
     task: str | None = None
+    prediction: str | None = None  # the text its answer is expected to restate (`prediction`), if any
 
 
 def shipped(name: str) -> pathlib.Path:
@@ -58,7 +59,8 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
     name wins).
 
     JSON lines in the shape of Spec-Bench's question file (`question_id`, `task`, `turns`: the
-    first turn is the prompt), or plain text lines. Blank lines are skipped.
+    first turn is the prompt; `prediction`, optional: the text its answer is expected to restate,
+    for method predict), or plain text lines. Blank lines are skipped.
 
     Args:
       per_task: keep only the first N prompts of each task class.
@@ -81,12 +83,15 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
             text = turns[0] if isinstance(turns, list) else turns
             if not isinstance(text, str) or not text:
                 raise ValueError("empty first turn")
+            if not isinstance(obj.get("prediction", ""), str):
+                raise ValueError("prediction must be a string")
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(
                 f"{path}:{lineno}: malformed prompt line ({type(e).__name__}: {e}); expected a JSON "
                 'object like {"question_id": 1, "task": "qa", "turns": ["..."]}'
             ) from e
-        prompts.append(Prompt(id=obj.get("question_id", lineno), text=text, task=obj.get("task")))
+        prompts.append(Prompt(id=obj.get("question_id", lineno), text=text, task=obj.get("task"),
+                              prediction=obj.get("prediction")))
     if tasks:
         prompts = [p for p in prompts if p.task in tasks]
     if per_task:

@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     from specjax.bench import offline
     from specjax.bench.prompts import bench_prompts
     from specjax.methods import registry
-    from specjax.serving.engine import Engine
 
     if args.verify_profile:
         from specjax.bench import verify_profile
@@ -63,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
     methods, given, opts = _check(args)
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks,
                             default=offline.SYNTHETIC_PROMPT)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
-    specs.load_assets(engine, args, [registry.base(m) for m in methods if m != "none"])
+    engine = specs.engine_for(args, [registry.base(m) for m in methods if m != "none"])
     by_label = {m: spec or specs.bench_spec(args, m, engine) for m, spec in given.items()}
     engine.check([p.text for p in prompts], opts, chat=args.chat)
     for spec in by_label.values():

@@ -4,7 +4,9 @@ and plain decoding in turns on the same prompts (`specjax.bench.auto_vs_plain`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import pathlib
 import sys
 
 from specjax.bench.prompts import DEMO, SHIPPED, Prompt, read_prompts
@@ -20,6 +22,14 @@ def add_parser(sub) -> None:
     g.add_argument("--prompts-file", help="JSON lines (Spec-Bench shape) or plain text lines, or a shipped "
                                           f"set: {', '.join(SHIPPED)}")
     flags.add_prompt_selection(g)
+    g.add_argument("--prediction", metavar="FILE",
+                   help="predicted output (OpenAI's Predicted Outputs): a file whose text the answer is expected "
+                        "to restate, e.g. the file the prompt asks to edit; --method predict (or auto) drafts "
+                        "from it, and the output reports the prediction tokens the answer used")
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="constrain every answer to compact JSON valid under the JSON schema in FILE, inside the "
+                        "decoding loop (--method forced drafts the text the schema fixes)")
+    g.add_argument("--regex", help="constrain every answer to match this regular expression, whole")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.add_argument("--demo", action="store_true",
@@ -48,25 +58,46 @@ def _check(args: argparse.Namespace):
         specs.check_given(args, [args.method], how=specs.NEEDS_FLAG)
     if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
         raise ValueError("--repeats and --auto-methods are for --method auto")
+    if args.json_schema is not None or args.regex is not None:
+        if args.json_schema is not None and args.regex is not None:
+            raise ValueError("--json-schema and --regex given together: give one constraint")
+        if args.method == "auto":
+            raise ValueError("--json-schema / --regex do not run with --method auto yet: give a method "
+                             "(forced drafts the schema's fixed text) or none")
+        _response_format(args)  # the file is read and parsed before the model loads
     return opts
 
 
-def run(args: argparse.Namespace) -> int:
-    from specjax.serving.engine import Engine
+def _response_format(args: argparse.Namespace) -> dict | None:
+    """`--json-schema FILE` as OpenAI's response_format (None without it)."""
+    if args.json_schema is None:
+        return None
+    path = pathlib.Path(args.json_schema)
+    if not path.is_file():
+        raise ValueError(f"--json-schema {args.json_schema!r}: no such file (give a JSON schema file)")
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {args.json_schema!r} is not JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {args.json_schema!r}: a JSON schema is an object")
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema, "strict": True}}
 
+
+def run(args: argparse.Namespace) -> int:
     opts = _check(args)
-    prompts = flags.prompts_of(args, tuple(read_prompts(DEMO)))
+    prompts = _with_prediction(args, flags.prompts_of(args, tuple(read_prompts(DEMO))))
     if args.method == "auto":
         return run_auto(args, opts, prompts)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
-    if args.method != "none":
-        specs.load_assets(engine, args, [args.method])
+    engine = specs.engine_for(args, [args.method] if args.method != "none" else [])
     spec = specs.spec_of(args, args.method, strict=True, engine=engine)
     texts = [p.text for p in prompts]
     b = engine.rows_for(min(args.batch_size, len(prompts)))
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
+    constraint = engine.constraint_for(response_format=_response_format(args), regex=args.regex)
     for i in range(0, len(texts), b):
-        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i)
+        batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i,
+                             prediction=[p.prediction for p in prompts[i:i + b]], constraint=constraint)
         if args.json:
             for p, res in zip(prompts[i:i + b], batch.run()):
                 print(json.dumps({"id": p.id, "task": p.task, **res.to_dict()}, ensure_ascii=False), flush=True)
@@ -78,6 +109,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_prediction(args, prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts with `--prediction FILE`'s text as every prompt's prediction (as given otherwise)."""
+    if args.prediction is None:
+        return prompts
+    path = pathlib.Path(args.prediction)
+    if not path.is_file():
+        raise ValueError(f"--prediction {args.prediction!r}: no such file (give the file the answer should restate)")
+    text = path.read_text(encoding="utf-8")
+    return [dataclasses.replace(p, prediction=text) for p in prompts]
+
+
 def _stream(engine, batch) -> None:
     """One prompt's text as it decodes, then its figures on stderr."""
     dec = engine.tokenizer.decode_stream(skip_special=True)
@@ -87,8 +129,9 @@ def _stream(engine, batch) -> None:
     res = batch.results()[0]
     sys.stdout.write(dec.flush() + "\n")
     sys.stdout.flush()
+    used = "" if res.prediction is None else f", prediction tokens {res.prediction[0]} accepted / {res.prediction[1]} rejected"
     print(f"[{res.new_tokens} tokens, {res.tok_per_s:.1f} tok/s, tau {res.tau:.2f}, "
-          f"ttft {res.ttft_s * 1e3:.0f} ms, compile {res.compile_s:.1f} s]", file=sys.stderr)
+          f"ttft {res.ttft_s * 1e3:.0f} ms, compile {res.compile_s:.1f} s{used}]", file=sys.stderr)
 
 
 def run_auto(args: argparse.Namespace, opts, prompts: list[Prompt]) -> int:
@@ -97,14 +140,12 @@ def run_auto(args: argparse.Namespace, opts, prompts: list[Prompt]) -> int:
     given), and with speculation off, in turns (`--repeats` pairs, compile excluded); prints auto's
     speedup per task class with its spread, or that auto decoded plain throughout and claims none."""
     from specjax.bench import auto_vs_plain
-    from specjax.serving.engine import Engine
 
     chosen = specs.chosen_auto_methods(args.auto_methods)
     repeats = 3 if args.repeats is None else args.repeats
     if repeats < 1:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
-    engine = Engine.load(args.model, dtype=args.dtype, mesh=flags.mesh_arg(args))
-    specs.load_auto_assets(engine, args, chosen)
+    engine = specs.engine_for(args, specs.auto_assets(args, chosen))
     ccfg = specs.auto_controller(engine, chosen)
     show = len(prompts) == 1 and not args.json
     dec = engine.tokenizer.decode_stream(skip_special=True) if show else None

@@ -120,12 +120,10 @@ def run(args: argparse.Namespace) -> int:
     from specjax.bench.offline import SYNTHETIC_PROMPT
     from specjax.bench.prompts import bench_prompts
     from specjax.methods import registry
-    from specjax.serving.engine import Engine
 
     plan, phases, opts, given = _check(args)
     prompts = bench_prompts(args.prompts_file, per_task=args.per_task, tasks=args.tasks, default=SYNTHETIC_PROMPT)
-    engine = Engine.load(args.model, dtype=args.dtype, draft_model=args.draft_model, mesh=flags.mesh_arg(args))
-    specs.load_assets(engine, args, _assets(args, engine, plan))
+    engine = specs.engine_for(args, lambda engine: _assets(args, engine, plan))
     used = [m for m in plan.methods if m not in ("none", "auto")]
     # a method with tuned settings takes them from the loaded assets, its flags (--k, --tree) overriding
     given.update({m: specs.spec_of(args, m, engine=engine) for m in used if registry.record(m).tuned is not None})

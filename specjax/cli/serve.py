@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from specjax.cli import flags, specs
+from specjax.serving.constraints import ConstraintLimits
 
 
 def add_parser(sub) -> None:
@@ -40,6 +41,14 @@ def _add_batch(sv: argparse.ArgumentParser) -> None:
                          "temperature > 0)")
     sv.add_argument("--chunk", type=int, default=8, help="decode steps between slot refills")
     sv.add_argument("--batch-sizes", default=None, help="smaller batch sizes a chunk may run at, e.g. 1,2,4")
+    sv.add_argument("--constraint-states", type=int, default=ConstraintLimits.states,
+                    help="structured answers (response_format, regex, choice): the most automaton states of one "
+                         "request's constraint (a pool of one per slot, compiled in; ~4.4 MB a slot at the defaults "
+                         "on SmolLM2; a 15-key config schema needs ~270, json_object ~1500); 0: no pool, "
+                         "constrained requests get 400")
+    sv.add_argument("--constraint-classes", type=int, default=ConstraintLimits.classes,
+                    help="the most token classes of one request's constraint (~210 for a 15-key config schema "
+                         "on SmolLM2); 0: no pool")
 
 
 def _add_limits(sv: argparse.ArgumentParser) -> None:
@@ -73,6 +82,9 @@ def _check(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, tuple[int,
     for name in ("slots", "max_tokens", "max_prompt_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    for name in ("constraint_states", "constraint_classes"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 0 (0: no constraint pool)")
     sizes = int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else None
     specs.spec_of(args, args.method, strict=True)
     specs.check_flags(args)
@@ -107,24 +119,27 @@ def _scheduler(args: argparse.Namespace, engine, chosen, sizes):
         spec = specs.spec_of(args, args.method, strict=True, engine=engine)
     return srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
                              max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
-                             chunk=args.chunk, batch_sizes=sizes, controller=ccfg)
+                             chunk=args.chunk, batch_sizes=sizes, controller=ccfg,
+                             constraint_pool=constraint_pool(args))
+
+
+def constraint_pool(args: argparse.Namespace) -> ConstraintLimits | None:
+    """The server's constraint pool from --constraint-states / --constraint-classes (either 0: none)."""
+    if not (args.constraint_states and args.constraint_classes):
+        return None
+    return ConstraintLimits(states=args.constraint_states, classes=args.constraint_classes)
 
 
 def run(args: argparse.Namespace) -> int:
     from specjax.serving import server as srv
-    from specjax.serving.engine import Engine
     from specjax.serving.server.metrics import memory_added, memory_now
 
     chosen, sizes = _check(args)
     keys = _keys(args)
-    m0 = memory_now()
-    engine = Engine.load(args.model, dtype=args.dtype, **({"draft_model": args.draft_model} if args.draft_model else {}))
-    m1 = memory_now()
-    if args.method == "auto":
-        specs.load_auto_assets(engine, args, chosen)
-    elif args.method != "none":
-        specs.load_assets(engine, args, [args.method])
-    m2 = memory_now()
+    marks = [memory_now()]  # before the model, after it, after the assets
+    methods = specs.auto_assets(args, chosen) if args.method == "auto" else [args.method] if args.method != "none" else []
+    engine = specs.engine_for(args, methods, loaded=lambda: marks.append(memory_now()))
+    m0, m1, m2 = *marks, memory_now()
     sched = _scheduler(args, engine, chosen, sizes)
     config = srv.ServeConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                              request_timeout=args.request_timeout, share_ngram_table=args.share_ngram_table,

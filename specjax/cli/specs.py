@@ -1,9 +1,11 @@
-"""A command's method flags onto what runs: `SpecConfig`s (from each record's `Flag`s), the assets
-to load, and auto's controller settings."""
+"""A command's flags onto what runs: the engine with its methods' assets (`engine_for`, the one place
+a command builds one), `SpecConfig`s (from each record's `Flag`s) and auto's controller settings."""
 
 from __future__ import annotations
 
-from specjax.cli.flags import names
+from typing import Callable, Iterable
+
+from specjax.cli.flags import mesh_arg, names
 from specjax.methods import registry
 from specjax.methods.registry import RECORDS
 
@@ -45,7 +47,7 @@ def spec_of(args, method: str, *, strict: bool = False, engine=None, tree: bool 
         return SpecConfig()
     rec = registry.record(method)
     given = flag_values(args, None if strict else method)
-    explicit = "tree" in rec.options and ({"k", "tree"} & given.keys())  # a template of one's own
+    explicit = registry.TREE_FLAG in rec.flags and ({"k", "tree"} & given.keys())  # a template of one's own
     if rec.tuned is None or explicit:
         return SpecConfig.make(method, **{"k": DEFAULT_K, **given})
     if engine is None:
@@ -76,18 +78,31 @@ def check_given(args, methods, *, how: str) -> None:
             raise ValueError(how.format(method=m, flag=rec.flag, value=rec.flag_value))
 
 
+def engine_for(args, methods: Iterable[str] | Callable = (), *, loaded: Callable[[], None] | None = None):
+    """The Engine a command runs: `--model` in `--dtype` (on `--mesh` where the command has one),
+    then the assets of `methods` (names, or a function of the loaded engine that gives them),
+    each through its record. `loaded` is called between the model and the assets (a memory split)."""
+    from specjax.serving.engine import Engine
+
+    engine = Engine.load(args.model, dtype=args.dtype, mesh=mesh_arg(args))
+    if loaded is not None:
+        loaded()
+    load_assets(engine, args, methods(engine) if callable(methods) else methods)
+    return engine
+
+
 def load_assets(engine, args, methods) -> None:
-    """Loads the assets of `methods` that the Engine does not take itself: the given ones, else those
-    shipped for the model ("default")."""
+    """Loads the assets of `methods` that have one (`Record.load`): the given ones (their flag),
+    else those shipped for the model ("default")."""
     for m in dict.fromkeys(methods):
-        rec = registry.record(m)
-        if rec.load is not None:
-            rec.load(engine, given(args, m) or "default")
+        if registry.record(m).load is not None:
+            engine.load_asset(m, given(args, m) or "default")
 
 
 def auto_methods() -> tuple[str, ...]:
     """What auto may choose: prompt lookup, and the methods whose loaded assets give it options."""
-    return tuple(m for m, r in RECORDS.items() if registry.looks_up(m) or r.auto is not None)
+    return tuple(m for m, r in RECORDS.items()
+                 if registry.looks_up(m) or r.auto is not None or m == registry.PREDICT)
 
 
 def chosen_auto_methods(text: str | None) -> tuple[str, ...] | None:
@@ -100,16 +115,19 @@ def chosen_auto_methods(text: str | None) -> tuple[str, ...] | None:
     return methods
 
 
-def load_auto_assets(engine, args, chosen: tuple[str, ...] | None) -> None:
-    """Loads the assets auto may use: those of the `chosen` methods, or (None chosen) of every
-    method whose asset is given or shipped for the model."""
-    def wanted(m: str) -> bool:
+def auto_assets(args, chosen: tuple[str, ...] | None) -> Callable:
+    """What auto may use, as a function of the loaded engine (for `engine_for`): the `chosen`
+    methods with an asset, or (None chosen) every method whose asset is given or shipped for the
+    model."""
+    def wanted(engine, m: str) -> bool:
         rec = RECORDS[m]
         if rec.load is None:
             return False
-        return m in chosen if chosen is not None else bool(given(args, m) or (rec.shipped is not None and rec.shipped(engine.name)))
+        if chosen is not None:
+            return m in chosen
+        return bool(given(args, m) or (rec.shipped is not None and rec.shipped(engine.name)))
 
-    load_assets(engine, args, [m for m in RECORDS if wanted(m)])
+    return lambda engine: [m for m in RECORDS if wanted(engine, m)]
 
 
 def auto_controller(engine, chosen: tuple[str, ...] | None, **settings):
@@ -120,6 +138,6 @@ def auto_controller(engine, chosen: tuple[str, ...] | None, **settings):
     from specjax.serving.controller import ControllerConfig
 
     ccfg = ControllerConfig(**settings).with_assets(engine.assets)
-    if chosen is not None:
-        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in ccfg.methods if m in chosen))
+    if chosen is not None:  # predicted outputs only when chosen: its options cost programs, and pay with a prediction
+        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in (*ccfg.methods, registry.PREDICT) if m in chosen))
     return ccfg

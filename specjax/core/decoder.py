@@ -47,12 +47,14 @@ from jaxtyping import Array, Bool, Int, PyTree
 
 from specjax import sharding
 from specjax.core import acceptance
+from specjax.core import constraint as constraints_
 from specjax.core import sampling
 from specjax.core import shared as shared_state
 from specjax.core import tree
 from specjax.core.proposer import Proposer
 from specjax.models.transformer import Output, Transformer
 from specjax.core.sampling import Sampling, SamplingParams
+from specjax.core.constraint import PoolSpec
 from specjax.core.shared import Observed, SharedSpec
 from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens,
                                 step_keys, tick)
@@ -106,6 +108,32 @@ def _per_row(value, n: int, name: str) -> list:
     return values
 
 
+def _predictions(prediction, bucket, n: int, b: int):
+    """(`[b, Q]` token ids right-padded with 0, `[b]` lengths) of the rows' predictions, checked;
+    (None, None) when there are none and no bucket is asked for."""
+    if prediction is None and bucket is None:
+        return None, None
+    rows = [None] * n if prediction is None else list(prediction)
+    if len(rows) != n:
+        raise ValueError(f"prediction has {len(rows)} entries for {n} prompts: give one per prompt (None for none)")
+    rows = [[] if r is None else list(r) for r in rows]
+    for i, r in enumerate(rows):
+        if any(isinstance(t, (str, bytes)) or isinstance(t, bool) or int(t) != t or t < 0 for t in r):
+            raise ValueError(f"prediction {i} must be token ids >= 0 (tokenize its text first, or use "
+                             "Engine.generate(prediction=...))")
+    longest = max((len(r) for r in rows), default=0)
+    q = max(longest, 1) if bucket is None else int(bucket)
+    if longest > q:
+        raise ValueError(f"a prediction of {longest} tokens exceeds prediction_bucket={q}: shorten it, or "
+                         "raise the predict method's prediction_cap")
+    pred = np.zeros((b, q), np.int32)
+    lengths = np.zeros((b,), np.int32)
+    for r, x in enumerate(rows):
+        pred[r, :len(x)] = x
+        lengths[r] = len(x)
+    return jnp.asarray(pred), jnp.asarray(lengths)
+
+
 @struct.dataclass
 class Inputs:
     """Per-row inputs of a batch: all arrays, so new values never recompile."""
@@ -118,12 +146,16 @@ class Inputs:
     keys: Array  # [B] PRNG keys
     contribute: Bool[Array, "B"]  # the row's text may enter batch-shared method state
     tenant: Int[Array, "B"] | None = None  # the row's scope of that state (see specjax.core.shared)
+    prediction: Int[Array, "B Q"] | None = None  # each row's predicted output, right-padded (None: none)
+    prediction_lengths: Int[Array, "B"] | None = None  # its tokens (0: the row has none)
+    constraint: Int[Array, "B"] | None = None  # the row's constraint pool slot (None, 0: free)
 
     @classmethod
     def create(cls, prompts: Sequence, *, bucket: int | None = None,  # Sequence[Sequence[int]], checked here
                batch_size=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
                stop_ids: Sequence = (), seed=0, row_ids: Sequence | None = None, contribute=True,
-               tenant=0) -> "Inputs":
+               tenant=0, prediction: Sequence | None = None, prediction_bucket: int | None = None,
+               constraint=0) -> "Inputs":
         """Pads token-id prompts into a batch.
 
         Args:
@@ -139,6 +171,13 @@ class Inputs:
           contribute: whether each row's text may enter batch-shared method state (the cross-request
             n-gram table, token recycling's matrix).
           tenant: each row's scope of that state: a row reads only what rows of its tenant wrote.
+          prediction: each row's predicted output (token ids, or None for none), the text that
+            `specjax.methods.predict` drafts from; None: no row has one.
+          prediction_bucket: the padded prediction length Q (a predict proposer's `prediction_cap`,
+            so that every prediction shares one program); default: the longest prediction. Given
+            alone, every row gets an empty prediction of that width.
+          constraint: each row's slot in the decoder's constraint pool (`specjax.core.constraint`),
+            0 for a free row; the decoder must carry a pool (`Decoder(constraints=...)`).
         """
         if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
                                                     for p in prompts):
@@ -162,7 +201,7 @@ class Inputs:
             raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
         per_row = {name: _per_row(v, n, name) for name, v in
                    dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, contribute=contribute, tenant=tenant).items()}
+                        top_p=top_p, contribute=contribute, tenant=tenant, constraint=constraint).items()}
         for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
             sampling.validate(t, k, tp)
         for s in np.ravel(seed):
@@ -171,6 +210,11 @@ class Inputs:
         for t in per_row["tenant"]:
             if int(t) != t or not 0 <= t < 2 ** 31:
                 raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
+        for c in per_row["constraint"]:
+            if isinstance(c, bool) or int(c) != c or c < 0:
+                raise ValueError(f"constraint={c}: must be a pool slot, an integer >= 0 (0: unconstrained)")
+        if any(per_row["constraint"]) and not stops:
+            raise ValueError("a constrained row needs a stop token (its EOS) to end an answer: pass stop_ids")
         for m in per_row["max_new_tokens"]:
             check_max_new_tokens(m)
         pad = b - n
@@ -187,6 +231,7 @@ class Inputs:
         ids = list(range(b)) if row_ids is None else list(row_ids)
         if len(ids) < b:  # padding rows continue the ids
             ids += [max(ids) + 1 + i for i in range(b - len(ids))]
+        pred, pred_len = _predictions(prediction, prediction_bucket, n, b)
         return cls(
             prompts=jnp.asarray(tokens), prompt_lengths=jnp.asarray([len(x) for x in rows], jnp.int32),
             max_new=jnp.asarray(fill("max_new_tokens", 1), jnp.int32),
@@ -195,7 +240,8 @@ class Inputs:
                                     top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
             stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]),
             contribute=jnp.asarray(fill("contribute", False), bool),
-            tenant=jnp.asarray(fill("tenant", 0), jnp.int32))
+            tenant=jnp.asarray(fill("tenant", 0), jnp.int32), prediction=pred, prediction_lengths=pred_len,
+            constraint=jnp.asarray(fill("constraint", 0), jnp.int32))
 
     @property
     def batch_size(self) -> int:
@@ -283,6 +329,10 @@ class Decoder:
         after every commit. None: the proposer's own (`Proposer.shared`). A host that runs several
         options over one batch gives each the union of theirs (`shared.union`); it must cover the
         proposer's.
+      constraints: the constraint pool the batch carries (`specjax.core.constraint.PoolSpec`), or
+        None: none, and no mask. With a pool every row is masked by its slot's automaton (slot 0, a
+        free row, allows everything) at every sampled and verified position. It joins `shared`
+        (a `shared` that holds a pool sets it).
       mesh: the device mesh the programs run on (`specjax.sharding.make_mesh`), or None for one
         device. The methods trace for it (`sharding.use`): the carry, the model's activations and
         top-k are laid out by the logical-axis rules on this mesh, whatever `jax.set_mesh` says.
@@ -293,6 +343,7 @@ class Decoder:
     acceptance: Any = None
     sampling: Sampling | str = sampling.Greedy()
     shared: tuple[SharedSpec, ...] | None = None
+    constraints: PoolSpec | None = None
     mesh: Mesh | None = None
 
     def __post_init__(self):
@@ -308,7 +359,12 @@ class Decoder:
             raise TypeError(f"shared={bad[0]!r} is not a SharedSpec (specjax.core.shared): it must declare "
                             "name, top_k, init, update, merge and nbytes")
         shared_state.covers(given, own)
+        if self.constraints is not None:
+            if not isinstance(self.constraints, PoolSpec):
+                raise TypeError(f"constraints={self.constraints!r}: pass a specjax.core.constraint.PoolSpec")
+            given += (self.constraints,)
         object.__setattr__(self, "shared", shared_state.union(given))
+        object.__setattr__(self, "constraints", next((s for s in self.shared if s.name == PoolSpec.name), None))
         if int(self.cache_length) != self.cache_length or self.cache_length < self.window + 1:
             raise ValueError(f"cache_length={self.cache_length}: must be an integer > the window "
                              f"({self.window}); see specjax.core.decoder.cache_length")
@@ -390,8 +446,14 @@ class Decoder:
             shared=Shared(forwards=jnp.zeros((), jnp.int32),
                           parts=shared_state.init(self.shared) if parts is None else parts),
             contribute=inputs.contribute, tenant=inputs.tenant)
+        if self.constraints is not None:  # every automaton starts in state 0
+            slot = jnp.zeros((b,), jnp.int32) if inputs.constraint is None else inputs.constraint.astype(jnp.int32)
+            state = state.replace(constraint=slot, automaton=jnp.zeros((b,), jnp.int32))
+            logits = self._mask(state, state.automaton[:, None], logits[:, None])[:, 0]
         first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
         after = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0]
+        if self.constraints is not None:
+            after = self._advanced(state, after, state.automaton, first)
         if self.shared:
             k = shared_state.top_k_needed(self.shared)
             top = shared_state.chunked_top_k(model.logits, hidden, k) if k else None
@@ -399,6 +461,24 @@ class Decoder:
             real = jnp.arange(p)[None, :] < inputs.prompt_lengths[:, None]
             after = self._observe(state, after, inputs.prompts, prev, real, jnp.arange(p)[None, :], top, width=1)
         return after, (jnp.concatenate(tapped, axis=-1) if tapped else hidden)
+
+    # ---- constraints (specjax.core.constraint) ---------------------------------------------------
+    def _mask(self, state: DecodeState, states: Int[Array, "B W"], logits: Array) -> Array:
+        """`logits` [B, W, V] masked by each row's automaton at the window slots' `states`."""
+        pool = state.shared.parts[PoolSpec.name]
+        return constraints_.mask(pool, state.constraint, states, state.stop_ids, logits)
+
+    def _walk(self, state: DecodeState, nodes: Int[Array, "B K"], topo: tree.AnyTopology) -> Int[Array, "B W"]:
+        """Each row's automaton state at every window slot (`specjax.core.constraint.walk`)."""
+        return constraints_.walk(state.shared.parts[PoolSpec.name], state.constraint, state.automaton, nodes, topo)
+
+    def _advanced(self, before: DecodeState, after: DecodeState, at: Int[Array, "B"],
+                  token: Int[Array, "B"]) -> DecodeState:
+        """`after` with each row's automaton moved by `token` from the state `at` (the state at the
+        slot the token was drawn at); rows done before keep theirs, a row that left its automaton is done."""
+        nxt = constraints_.advance(after.shared.parts[PoolSpec.name], before.constraint, at, token)
+        automaton = jnp.where(before.done, before.automaton, nxt)
+        return after.replace(automaton=automaton, done=after.done | (automaton < 0))
 
     def _observe(self, before: DecodeState, after: DecodeState, scored, prev, real, order, top, *,
                  width: int) -> DecodeState:
@@ -438,9 +518,10 @@ class Decoder:
         with sharding.use(self.mesh):
             return self.proposer.init(pparams, state, inputs, hidden)
 
-    def prefill(self, model: Transformer, pparams, inputs: Inputs) -> State:
-        """Prefills the batch and sets up the proposer: the state `decode` continues from."""
-        state, hidden = self.prefill_target(model, inputs)
+    def prefill(self, model: Transformer, pparams, inputs: Inputs, parts: dict | None = None) -> State:
+        """Prefills the batch and sets up the proposer: the state `decode` continues from. `parts`:
+        the batch-shared state to start from (None: empty; `constraint_parts` for a constraint pool)."""
+        state, hidden = self.prefill_target(model, inputs, parts)
         state = State(decode=state, proposer=self.init_proposer(pparams, state, inputs, hidden),
                       stats=Stats.zeros(inputs.batch_size, self.depth, self.nodes))
         return sharding.constrain_carry(state, self.mesh)  # the loop's layout (a no-op without a mesh)
@@ -464,19 +545,29 @@ class Decoder:
                                                   step_keys(state, salt=1))
         nodes, topo = tree.drafted(drafts, self.topology)
         out = verify(model, state, nodes, topo, self.taps)
+        logits = out.logits
+        if self.constraints is not None:  # each slot masked by the state after the drafts before it
+            states = self._walk(state, nodes, topo)
+            logits = self._mask(state, states, logits)
         acc = self.acceptance.accept(acceptance.Window(
-            sampling=self.sampling, keys=step_keys(state, salt=2), nodes=nodes, q=q, logits=out.logits,
+            sampling=self.sampling, keys=step_keys(state, salt=2), nodes=nodes, q=q, logits=logits,
             params=state.sampling, topo=topo))
         active = ~state.done
         window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
         new = commit_path(state, out.cache, nodes, acc, topo)
+        if self.constraints is not None:  # the state at the kept leaf, then the token after it
+            leaf = jnp.take_along_axis(acc.path, acc.n[:, None], axis=1)
+            new = self._advanced(state, new, jnp.take_along_axis(states, leaf, axis=1)[:, 0], acc.next)
         state = self._observe_window(state, new, window, out.logits, acc.path, acc.n, topo)
         pstate = self.proposer.reconcile(pparams, pstate, state, out, acc)
         return State(decode=state, proposer=pstate, stats=s.stats.update(active, acc.n, topo.num_nodes, acc.path))
 
     def plain_step(self, model: Transformer, state: DecodeState) -> DecodeState:
         """The plain loop's step (`plain_step`), then the batch-shared state sees its one token."""
-        new, logits = _plain(model, self.sampling, state)
+        mask = None if self.constraints is None else functools.partial(self._mask, state, state.automaton[:, None])
+        new, logits = _plain(model, self.sampling, state, mask)
+        if self.constraints is not None:
+            new = self._advanced(state, new, state.automaton, last_tokens(new))
         path = jnp.zeros((state.lengths.shape[0], 1), jnp.int32)
         return self._observe_window(state, new, last_tokens(state)[:, None], logits, path,
                                     jnp.zeros_like(state.lengths), tree.topology(()))
@@ -500,10 +591,13 @@ def plain_step(model: Transformer, sampling_config: Sampling, state: DecodeState
     return _plain(model, sampling_config, state)[0]
 
 
-def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState) -> tuple[DecodeState, Array]:
+def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState,
+           mask=None) -> tuple[DecodeState, Array]:
+    """The step and the target's logits (unmasked); `mask` maps logits [B, 1, V] to the masked ones."""
     pos = state.lengths - 1
     out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
-    nxt = sampling_config.draw(step_keys(state), out.logits[:, 0], state.sampling)
+    logits = out.logits if mask is None else mask(out.logits)
+    nxt = sampling_config.draw(step_keys(state), logits[:, 0], state.sampling)
     return commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0], out.logits
 
 
@@ -511,9 +605,10 @@ def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState) ->
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
-def prefill_program(graphdef, params, pparams, inputs: Inputs, *, static: Decoder) -> State:
+def prefill_program(graphdef, params, pparams, inputs: Inputs, parts: dict | None = None, *,
+                    static: Decoder) -> State:
     """`static.prefill`, jitted: `static` is the Decoder (everything that shapes the program)."""
-    return static.prefill(nnx.merge(graphdef, params), pparams, inputs)
+    return static.prefill(nnx.merge(graphdef, params), pparams, inputs, parts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
@@ -522,8 +617,13 @@ def decode_program(graphdef, params, pparams, state: State, stop_at, *, static: 
     return static.decode(nnx.merge(graphdef, params), pparams, state, stop_at)
 
 
-def generate(model: Transformer, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None) -> State:
+def generate(model: Transformer, inputs: Inputs, *, decoder: Decoder, pparams=None, mesh=None,
+             constraints: Sequence = ()) -> State:
     """Prefill and decode to the end with the jitted programs; returns the final state.
+
+    `constraints`: the automata of the decoder's constraint pool, slot 1 first (each a
+    `specjax.constrain.TokenTables`, or any object with its `token_class`, `next_state`, `accepting`
+    and `forced` (None: no forced tokens)); a row takes one by its `Inputs.create(constraint=slot)`.
 
     Read the text back with `new_tokens(state, mesh)`. Calls with the same decoder and shapes reuse
     the compiled programs. On a mesh (`decoder.mesh`, or `mesh` here for a decoder without one) the
@@ -540,9 +640,41 @@ def generate(model: Transformer, inputs: Inputs, *, decoder: Decoder, pparams=No
         model = sharding.place_module(model, mesh)
         pparams = sharding.place_pparams(pparams, mesh)
         inputs = sharding.place_inputs(inputs, mesh)
+    parts = constraint_parts(decoder, constraints, inputs)
     graphdef, params = nnx.split(model)
-    state = prefill_program(graphdef, params, pparams, inputs, static=decoder)
+    state = prefill_program(graphdef, params, pparams, inputs, parts, static=decoder)
     return decode_program(graphdef, params, pparams, state, np.int32(RUN_TO_END), static=decoder)
+
+
+def constraint_parts(decoder: Decoder, constraints: Sequence, inputs: Inputs | None = None) -> dict | None:
+    """The batch-shared state a prefill starts from with `constraints` in pool slots 1, 2, ...
+    (None when the decoder carries no pool and none is given). Checks that the rows' slots exist."""
+    spec = decoder.constraints
+    used = 0 if inputs is None or inputs.constraint is None else _local_max(inputs.constraint)
+    if spec is None:
+        if constraints or used:
+            raise ValueError("constrained rows need a decoder with a constraint pool: "
+                             "Decoder(constraints=specjax.core.constraint.PoolSpec(vocab=...))")
+        return None
+    if len(constraints) > spec.capacity:
+        raise ValueError(f"{len(constraints)} constraints for a pool of {spec.capacity}: raise PoolSpec(capacity=...)")
+    if used > len(constraints):
+        raise ValueError(f"a row uses constraint slot {used}, but {len(constraints)} constraints were given")
+    parts = shared_state.init(decoder.shared)
+    pool = parts[PoolSpec.name]
+    for slot, t in enumerate(constraints, start=1):
+        one = spec.pack(np.asarray(t.token_class), np.asarray(t.next_state), np.asarray(t.accepting),
+                        None if t.forced is None else np.asarray(t.forced))
+        pool = constraints_.upload(pool, jnp.int32(slot), one)
+    return {**parts, PoolSpec.name: pool}
+
+
+def _local_max(x) -> int:
+    """The largest value of `x` this process holds: a global array split over processes is read
+    through its addressable shards (every process checks the rows it feeds; no collective)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return max(int(np.max(np.asarray(s.data))) for s in x.addressable_shards)
+    return int(np.max(np.asarray(x)))
 
 
 def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:

@@ -39,6 +39,8 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
+from specjax.core import constraint
+from specjax.core.constraint import Pool, PoolSpec
 from specjax.core.decoder import decode_program
 from specjax.core.decoder import Decoder, Inputs, State, Stats
 from specjax.models.transformer import Transformer
@@ -113,6 +115,13 @@ class Slots:
         state = state.replace(shared=state.shared.replace(parts=row.shared.parts))
         return self._pinned((state, tuple(insert_row(ps, n, slot) for ps, n in zip(pstates, new))))
 
+    def upload(self, state: DecodeState, slot: Int[Array, ""], one: Pool) -> DecodeState:
+        """Puts the packed constraint `one` (`PoolSpec.pack`) into pool slot `slot` of the batch's
+        constraint pool (`specjax.core.constraint`); a request inserted with that slot is masked by it.
+        Rows that use the slot's previous constraint must be done (the host keeps track)."""
+        pool = constraint.upload(state.shared.parts[PoolSpec.name], slot, one)
+        return self._pinned(state.replace(shared=state.shared.replace(parts={**state.shared.parts, PoolSpec.name: pool})))
+
     def release(self, state: DecodeState, slot: Int[Array, ""]) -> DecodeState:
         """Marks row `slot` done (a cancelled request): the loop spends no more steps on it."""
         return self._pinned(state.replace(done=state.done.at[slot].set(True)))
@@ -158,6 +167,11 @@ def prefill_program(graphdef, params, pparams, inputs: Inputs, *, slots: Slots):
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots"), donate_argnames=("state", "pstates"))
 def insert_program(graphdef, params, pparams, state, pstates, slot, inputs: Inputs, *, slots: Slots):
     return slots.insert(nnx.merge(graphdef, params), pparams, state, pstates, slot, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state",))
+def upload_program(state, slot, one: Pool, *, slots: Slots):
+    return slots.upload(state, slot, one)
 
 
 @functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state",))
@@ -248,6 +262,9 @@ class RunningBatch:
         self._views = {None: self._compile(view_program, self.state, None, weights=False, slots=slots)}
         self.read()
         self._release = self._compile(release_program, self.state, np.int32(0), weights=False, slots=slots)
+        spec = slots.base.constraints
+        self._upload = None if spec is None else self._compile(
+            upload_program, self.state, np.int32(1), self._packed(spec.init()), weights=False, slots=slots)
         self._move = (self._compile(move_program, self.state, self.pstates, np.int32(0), np.int32(0),
                                     weights=False, slots=slots) if len(self.sizes) > 1 else None)
         self._inserts: dict[int, tuple[Any, Inputs]] = {}
@@ -353,6 +370,27 @@ class RunningBatch:
         for bucket in self.insert_buckets:
             self.insert(0, self._inserts[bucket][1])
         jax.block_until_ready(self.state)
+
+    @staticmethod
+    def _packed(pool: Pool) -> Pool:
+        """A one-slot pool of the shapes `PoolSpec.pack` gives (numpy)."""
+        return Pool(**{f: np.asarray(getattr(pool, f))[:1] for f in ("token_class", "next_state", "accepting", "forced")})
+
+    def upload(self, pool_slot: int, tables) -> None:
+        """Puts a constraint's tables (`specjax.constrain.TokenTables`) into pool slot `pool_slot`
+        (1..capacity) of the batch's constraint pool; insert requests with `constraint=pool_slot`.
+
+        Raises:
+          ValueError: the batch carries no pool, the slot is not one of it, or the tables do not fit.
+        """
+        spec = self.slots.base.constraints
+        if spec is None:
+            raise ValueError("this batch carries no constraint pool: build its decoders with Decoder(constraints=PoolSpec(...))")
+        if not 1 <= pool_slot <= spec.capacity:
+            raise ValueError(f"constraint pool slot {pool_slot}: must be in [1, {spec.capacity}]")
+        one = spec.pack(np.asarray(tables.token_class), np.asarray(tables.next_state), np.asarray(tables.accepting),
+                        None if tables.forced is None else np.asarray(tables.forced))
+        self.state = self._upload(self.state, np.int32(pool_slot), self.place(one))
 
     def release(self, slot: int) -> None:
         """Marks row `slot` done (a cancelled request)."""

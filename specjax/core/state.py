@@ -51,6 +51,8 @@ class DecodeState:
     shared: Shared  # the batch's part: step counter and the methods' shared state
     contribute: Bool[AnyArray, "B"] | None = None  # rows whose text may enter shared state (None: all)
     tenant: Int[AnyArray, "B"] | None = None  # each row's scope of shared state (None: tenant 0)
+    constraint: Int[AnyArray, "B"] | None = None  # each row's slot in the constraint pool (0: free)
+    automaton: Int[AnyArray, "B"] | None = None  # its automaton state after the committed tokens
 
     @property
     def forwards(self) -> Int[AnyArray, ""]:

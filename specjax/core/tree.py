@@ -40,11 +40,8 @@ TREES: dict[str, Tree] = {
 }
 
 
-HEADS_TREE = "heads"  # SpecConfig(tree="heads"): the tree shipped with the loaded heads
-
-
 def parse_tree(text: str | None) -> Tree | str | None:
-    """A `--tree` flag: a name (kept as is, resolved by `SpecConfig`) or paths as JSON."""
+    """A `--tree` flag: a name (kept as is, resolved by the method's options) or paths as JSON."""
     if text is not None and text.lstrip().startswith("["):
         import json
 
@@ -54,6 +51,17 @@ def parse_tree(text: str | None) -> Tree | str | None:
 
 def chain(k: int) -> Tree:
     return tuple((0,) * i for i in range(1, k + 1))
+
+
+def as_tree(tree: str | Sequence) -> Tree:
+    """A tree given by name (one of `TREES`) or as paths, as a checked `Tree` of int tuples."""
+    if isinstance(tree, str):
+        if tree not in TREES:
+            raise ValueError(f"unknown tree {tree!r}: use one of {', '.join(TREES)} or a tuple of paths")
+        return TREES[tree]
+    out = tuple(tuple(int(r) for r in p) for p in tree)
+    validate_tree(out)
+    return out
 
 
 def validate_tree(tree: Sequence) -> None:  # a Tree, checked here

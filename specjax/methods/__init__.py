@@ -22,13 +22,16 @@ arrays (draft weights, caches) travel separately as `params` (built with it by i
   accepted path (`accepted.n`, `accepted.path`, `accepted.leaf`), so a proposer that keeps a cache
   or a feature can bring it in line with what was committed.
 
-`specjax.methods.registry` maps a method name to the factory that builds a proposer and its
-params; a new method is its own module plus one entry there.
+Each method's folder holds its proposer, its options and its record (`<name>/record.py`, a
+`specjax.methods.method.Record`: how to build, check, load and tune it); `specjax.methods.registry`
+collects the records by name, and a new method is its own folder plus one entry there.
 """
 
 from specjax.core.proposer import Proposer
 from specjax.methods.draft.proposer import DraftModelProposer
+from specjax.methods.eagle.options import EagleOptions
 from specjax.methods.eagle.proposer import EagleParams, EagleProposer
+from specjax.methods.medusa.options import MedusaOptions
 from specjax.methods.medusa.proposer import MedusaParams, MedusaProposer
 from specjax.methods.ngram.options import NgramOptions
 from specjax.methods.ngram.proposer import NgramProposer
@@ -36,4 +39,4 @@ from specjax.methods.recycle.options import RecycleOptions
 from specjax.methods.recycle.proposer import RecycleProposer
 
 __all__ = ["Proposer", "NgramProposer", "NgramOptions", "DraftModelProposer", "MedusaProposer", "MedusaParams",
-           "EagleProposer", "EagleParams", "RecycleProposer", "RecycleOptions"]
+           "MedusaOptions", "EagleProposer", "EagleParams", "EagleOptions", "RecycleProposer", "RecycleOptions"]

@@ -8,8 +8,7 @@ import functools
 from typing import Any
 
 from specjax.methods import registry
-from specjax.core.tree import HEADS_TREE, MAX_TREE_NODES, TREES, Tree, chain, validate_tree  # noqa: F401 (re-exported)
-from specjax.core.tree import parse_tree  # noqa: F401 (re-exported)
+from specjax.core.tree import MAX_TREE_NODES, TREES, Tree, chain, parse_tree, validate_tree  # noqa: F401 (re-exported)
 
 MAX_K = 16  # verify windows beyond this cost more than they save on any model we target
 
@@ -19,28 +18,22 @@ MAX_K = 16  # verify windows beyond this cost more than they save on any model w
 class SpecConfig:
     """How to speculate; also the auto scheduler's option (hashable; `SpecConfig()` is plain).
 
+    It holds what every method shares; each method's own options (a tree, n-gram lengths, ...) are
+    `options`, a dataclass of the method's folder.
+
     Attributes:
       method: none (the plain loop) or the name of a method's record in
         `specjax.methods.registry.RECORDS` (ngram: prompt lookup; draft: a small draft model;
         medusa: heads on the target's last hidden state, chain or static tree; eagle: an EAGLE
-        head), which checks the options that belong to it.
-      k: drafted tokens per step for chains; the target verifies k + 1 positions in one forward.
-        For medusa chains, k <= the number of heads.
-      tree: a static candidate tree (paths of top-k ranks, parents first), for the methods that
-        draft one (medusa: per-head ranks; recycle: ranks in its matrix's rows): paths, the name of
-        one in `TREES`, or "heads" for the tree tuned for the loaded Medusa heads (resolved by the
-        Engine). None = a chain of k.
-      nodes: eagle only: drafted nodes of the dynamic tree built each step (EAGLE-2), `k` its
-        depth; 0 drafts a chain of k.
-      topk: eagle trees: children per expanded node and frontier width.
-      draft_vocab: eagle only: propose from the head's `draft_vocab` most frequent tokens
-        (0 = its whole draft vocabulary); a smaller one makes each draft step cheaper.
+        head; recycle: token recycling), which checks the options that belong to it.
+      k: drafted tokens per step for chains, or the depth of a tree; the target verifies the window
+        in one forward. A static tree in the options sets it to the tree's depth.
       typical: LOSSY: Medusa's typical acceptance (epsilon, delta) at temperature > 0 instead of
         the lossless rule (`acceptance.TypicalAcceptance`). Output no longer follows the target
         distribution.
       options: the method's own options, the dataclass its record names (`Record.option_type`:
-        `NgramOptions` for ngram, `RecycleOptions` for recycle); None takes its defaults (filled in
-        here). `SpecConfig.make(method, **fields)` builds one from keywords.
+        `NgramOptions`, `MedusaOptions`, `EagleOptions`, `RecycleOptions`); None takes its defaults
+        (filled in here). `SpecConfig.make(method, **fields)` builds one from keywords.
 
     As an option of the auto controller (`specjax.serving.controller`), a spec is named by its `label`
     ("none", "ngram:4", "medusa-tree:3", "eagle-tree:4"), keeps its acceptance statistics under its
@@ -49,10 +42,6 @@ class SpecConfig:
 
     method: str = "none"
     k: int = 4
-    tree: Tree | str | None = None
-    nodes: int = 0
-    topk: int = 4
-    draft_vocab: int = 0
     typical: tuple[float, float] | None = None
     options: Any = None
 
@@ -83,41 +72,25 @@ class SpecConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "options", registry.options_of(self))  # its defaults when None
-        registry.check(self)  # the method exists; its own options belong to it and hold
-        for name in ("nodes", "draft_vocab"):
-            v = getattr(self, name)
-            if int(v) != v or v < 0:
-                raise ValueError(f"{name}={v}: must be an integer >= 0 (0 = off)")
-        if self.nodes > MAX_TREE_NODES:
-            raise ValueError(f"nodes={self.nodes}: at most {MAX_TREE_NODES} tree nodes are supported")
-        if int(self.topk) != self.topk or self.topk < 1:
-            raise ValueError(f"topk={self.topk}: must be an integer >= 1")
+        registry.check(self)  # the method exists; its own checks hold
         if self.typical is not None and self.method == "none":
             raise ValueError("typical= is an acceptance rule: give a speculative method")
-        if self.tree == HEADS_TREE:
-            pass  # the tree tuned for the loaded heads; `Engine.resolve` fills it in
-        elif isinstance(self.tree, str):
-            if self.tree not in TREES:
-                raise ValueError(f"unknown tree {self.tree!r}: use one of {', '.join(TREES)} "
-                                 "or a tuple of paths")
-            object.__setattr__(self, "tree", TREES[self.tree])
-        if self.tree is not None and self.tree != HEADS_TREE:
-            tree = tuple(tuple(int(r) for r in p) for p in self.tree)
-            validate_tree(tree)
-            object.__setattr__(self, "tree", tree)
-            object.__setattr__(self, "k", max(len(p) for p in tree))
         if self.typical is not None:
             eps, delta = self.typical
             if not (0 < eps < 1 and 0 < delta < 1):
                 raise ValueError(f"typical={self.typical}: need 0 < epsilon < 1 and 0 < delta < 1")
         if self.method == "none":
             return
+        depth, _ = registry.shape(self)
+        if depth is not None:
+            object.__setattr__(self, "k", depth)
         if int(self.k) != self.k or not 1 <= self.k <= MAX_K:
             raise ValueError(f"k={self.k}: must be an integer in [1, {MAX_K}]")
 
     @property
     def is_tree(self) -> bool:
-        return self.tree is not None or bool(self.nodes)
+        """The method drafts a tree (a static one in its options, or one built each step)."""
+        return registry.shape(self)[1]
 
     @property
     def kind(self) -> str:
@@ -134,11 +107,11 @@ class SpecConfig:
 
     @property
     def label(self) -> str:
-        """A short stable name ("none", "ngram:4", "medusa-tree:3"; "medusa-tree:heads" before
-        `Engine.resolve`), used in chunk logs, telemetry and metrics."""
+        """A short stable name ("none", "ngram:4", "medusa-tree:3"), used in chunk logs, telemetry
+        and metrics."""
         if self.method == "none":
             return "none"
-        return f"{self.kind}:{self.tree if self.tree == HEADS_TREE else self.depth}"
+        return f"{self.kind}:{self.depth}"
 
     def _order(self) -> tuple[str, str]:
         return self.label, repr(self)

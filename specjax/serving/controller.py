@@ -128,7 +128,7 @@ class ControllerConfig:
         """These settings with the options the loaded `assets` allow added to `extra` (each record's
         `auto`: Medusa's chain lengths and tree, EAGLE's tuned chain and tree, as `SpecConfig`s);
         `given` maps a method to the spec given for it (a Medusa tree)."""
-        extra = tuple(SpecConfig(**f) for f in registry.auto_options(assets, self.ks, given))
+        extra = tuple(SpecConfig.make(**f) for f in registry.auto_options(assets, self.ks, given))
         return dataclasses.replace(self, extra=tuple(dict.fromkeys(self.extra + extra)))
 
     @property

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
 from specjax import telemetry
 from specjax.methods.config import SpecConfig
 from specjax.core.decoder import Inputs
+from specjax.methods.predict.usage import prediction_usage
 from specjax.telemetry import SpecCounters, StopReason
 
 
@@ -58,6 +60,9 @@ class Request:
     tenant: int = 0  # scope of the cross-request n-gram table it reads and writes
     stream: int | None = None  # its random stream's row index (None: its id)
     stop_ids: tuple[int, ...] = ()  # its stop tokens
+    prediction: list[int] | None = None  # its predicted output (token ids), for method predict and the usage
+    constraint: Any = None  # its constraint's tables (`specjax.constrain.TokenTables`) until it ends; None: free
+    pool_slot: int = 0  # the constraint pool slot it holds while running (0: none, a free row)
     status: Status = Status.QUEUED
     error: str | None = None  # why it failed
     slot: int | None = None
@@ -95,6 +100,11 @@ class Request:
     def tau(self) -> float:
         """Tokens per target forward after the first token."""
         return telemetry.tau(len(self.tokens), self.target_forwards)
+
+    @property
+    def prediction_tokens(self) -> tuple[int, int] | None:
+        """(accepted, rejected) tokens of its prediction in its tokens so far (None: it gave none)."""
+        return None if self.prediction is None else prediction_usage(self.prediction, self.tokens)
 
 
 @dataclasses.dataclass(frozen=True)

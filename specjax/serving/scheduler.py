@@ -23,6 +23,13 @@ batch, insert per bucket, release, move, take / put and one loop per option and 
 views) compiles once in `prepare` (the `RunningBatch`, through `Engine.program`, so
 `Engine.compile_count` tracks them).
 
+With `constraint_pool=ConstraintLimits(...)` the batch carries a pool of one constraint per slot
+(`specjax.serving.constraints`, `specjax.core.constraint`): `submit(response_format=, regex=, choice=)`
+compiles a request's constraint (through the engine's cache) and checks it fits; at insert the request
+takes a free pool slot, its tables are uploaded into it (no compile), and its row carries the slot
+wherever packing moves it; the slot is freed when the request ends. Free requests beside it decode as
+without a pool.
+
 The scheduler is not thread-safe (slot operations donate the batch state): a server runs it in one
 engine thread and sends it submits and cancels as messages (`specjax.serving.server`). A request that fails
 at admission ends "failed" alone; after an error inside a chunk, `reset_batch` fails the running
@@ -45,11 +52,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from specjax import memory, sharding, telemetry
 from specjax.core.decoder import cache_length, check_max_new_tokens
 from specjax.methods.config import SpecConfig
 from specjax.serving import controller as policy
+from specjax.serving.constraints import FLAGS, ConstraintError, ConstraintLimits, PoolSlots
 from specjax.serving.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
 from specjax.core.decoder import Decoder, Inputs
 from specjax.core.slots import RunningBatch, Slots
@@ -57,6 +66,7 @@ from specjax.core.state import DecodeState
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.methods import registry
 from specjax.methods.ngram.proposer import replay
+from specjax.methods.predict.options import prediction_cap
 from specjax.core import shared as shared_state
 from specjax.core.ngram_table import TableConfig
 from specjax.serving.requests import (Request, RowSnapshot, SchedulerSnapshot, Status,  # noqa: F401 (re-exported)
@@ -95,6 +105,9 @@ class Scheduler:
       history: keep only the last `history` requests in `requests` and chunks in `chunk_log`
         (a server's bound; None: all, for offline runs that read them afterwards).
       clock: seconds; `time.perf_counter` by default.
+      constraint_pool: the largest constraint a request may bring (`ConstraintLimits`: automaton states
+        and token classes); the batch then carries a pool of one constraint per slot, compiled into
+        every program. None: no pool, and a constrained request is refused at submit.
       costs: for "auto", the cost models (`Scheduler.costs`) of an earlier scheduler of the same
         options, slots and batch sizes on this machine, used instead of calibrating again (repeated
         runs of one configuration then pay the calibration once).
@@ -106,7 +119,7 @@ class Scheduler:
                  ngram_table: int | None = None,
                  batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
                  history: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 costs: dict[int, CostModel] | None = None):
+                 costs: dict[int, CostModel] | None = None, constraint_pool: ConstraintLimits | None = None):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
@@ -140,6 +153,15 @@ class Scheduler:
         # every option's batch-shared state, one part per name: each option's program carries all
         self.shared = shared_state.union(x for p, _ in self._built.values() if p is not None for x in p.shared)
         self.table = next((x for x in self.shared if x.name == TableConfig.name), None)
+        if constraint_pool is not None and not isinstance(constraint_pool, ConstraintLimits):
+            raise TypeError(f"constraint_pool={constraint_pool!r}: give a ConstraintLimits(states=..., classes=...) "
+                            "or None")
+        self.constraint_pool = constraint_pool
+        if constraint_pool is not None:  # one pool slot per row: every running request can hold one
+            pool = constraint_pool.pool(vocab=engine.config.vocab_size, capacity=self.b)
+            self.shared = shared_state.union((*self.shared, pool))
+        self._pool_slots = PoolSlots(self.b)  # which request holds which pool slot
+        self.prediction_cap = prediction_cap(self.specs.values())  # rows' prediction buffer (None: none)
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         if history is not None and (int(history) != history or history < 1):
@@ -172,7 +194,9 @@ class Scheduler:
                max_new_tokens: int | None = None,
                seed: int | None = None, temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, speculation: SpecConfig | None = None, tenant: int = 0,
-               stop_ids: Sequence[int] = (), stream: int | None = None) -> int:
+               stop_ids: Sequence[int] = (), stream: int | None = None,
+               prediction: str | Sequence[int] | None = None, response_format: dict | None = None,
+               regex: str | None = None, choice: Sequence[str] | None = None, constraint: Any = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
@@ -184,7 +208,13 @@ class Scheduler:
         tenant's text to another). `stop_ids`: stop tokens besides the scheduler's. `stream`: the
         row index of its random stream instead of its id (a server gives 0 to a request that
         names its seed, so that the same seed samples the same text, as `Engine.generate` does
-        for a single prompt).
+        for a single prompt). `prediction`: its predicted output (text or token ids), which a
+        predict option drafts from (one longer than its `prediction_cap` is refused); whatever runs,
+        the request's usage counts it (`specjax.methods.predict.usage`).
+        `response_format` (OpenAI's json_schema / json_object), `regex` or `choice`: the constraint its
+        answer follows (one of them; compiled here through `Engine.constraint_for`, cached), or
+        `constraint`: tables already compiled (`specjax.constrain.TokenTables`; a server compiles
+        them off its event loop). They need the scheduler's `constraint_pool` and a stop token.
         """
         m = check_max_new_tokens(self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                  most=self.opts.max_new_tokens,
@@ -210,17 +240,58 @@ class Scheduler:
             raise ValueError(f"speculation {speculation.label}: this scheduler runs "
                              f"{', '.join(o.label for o in self.options)}")
         stops = tuple(dict.fromkeys([*self.engine.stop_ids(self.opts), *map(int, stop_ids)]))
+        (predicted,) = self.engine.encode_predictions([prediction], 1)
+        cap = self.prediction_cap
+        if predicted is not None and cap is not None and len(predicted) > cap:
+            raise ValueError(f"a prediction of {len(predicted)} tokens exceeds prediction_cap={cap} of this "
+                             "scheduler's predict option: shorten it, or raise the cap")
+        tables = self.check_constraint(response_format=response_format, regex=regex, choice=choice,
+                                       constraint=constraint, stop_ids=stops)
         seed = self.opts.seed if seed is None else seed
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
                       opt_out=opt_out, contribute=contribute and not opt_out, seed=seed,
                       speculation=speculation, tenant=tenant,
-                      stop_ids=stops, stream=None if stream is None else int(stream), **sp)
+                      stop_ids=stops, stream=None if stream is None else int(stream), prediction=predicted,
+                      constraint=tables, **sp)
         req.inputs = self._inputs(req)  # validated once, at the core's boundary (Inputs.create); reused at insert
         self._next_id += 1
         self.requests.append(req)
         self.live[req.id] = req
         self.queue.append(req)
         return req.id
+
+    def check_constraint(self, *, response_format: dict | None = None, regex: str | None = None,
+                         choice: Sequence[str] | None = None, constraint: Any = None,
+                         stop_ids: Sequence[int] = ()) -> Any:
+        """A request's constraint tables (None: free), compiled through the engine's cache and checked
+        against this scheduler's pool; `submit` calls it, and a server calls it first, off its event loop
+        (it reads only settings). `stop_ids`: the request's own stop tokens besides the scheduler's.
+
+        Raises:
+          ConstraintError (a ValueError naming the field): two constraints, a malformed one, no pool,
+            one larger than the pool, or no stop token to end the answer.
+        """
+        given = [n for n, v in (("response_format", response_format), ("regex", regex), ("choice", choice),
+                                ("constraint", constraint)) if v is not None and v != {"type": "text"}]
+        if not given:
+            return None
+        field = given[0]
+        if len(given) > 1:
+            raise ConstraintError(field, f"{' and '.join(given)} given together: give one constraint")
+        if self.constraint_pool is None:
+            raise ConstraintError(field, "this scheduler has no constraint pool; create it with Scheduler("
+                                         "constraint_pool=ConstraintLimits(states=..., classes=...)), or start the "
+                                         f"server with one ({FLAGS})")
+        if not (*self.engine.stop_ids(self.opts), *stop_ids):
+            raise ConstraintError(field, "a constrained answer needs a stop token to end it; give stop_ids "
+                                         "(the model's EOS), or a tokenizer that has one")
+        try:
+            tables = constraint if constraint is not None else self.engine.constraint_for(
+                response_format=response_format, regex=regex, choice=choice)
+            self.constraint_pool.check(tables, vocab=self.engine.config.vocab_size)
+        except ValueError as e:
+            raise ConstraintError(field, str(e)) from None
+        return tables
 
     def cancel(self, rid: int) -> None:
         """Cancels a request: a queued one never runs; a running one frees its slot now. Not
@@ -239,6 +310,7 @@ class Scheduler:
             self._pack()
         else:
             return
+        self._free_constraint(req)
         req.status, req.finished_s, req.stop_reason = Status.CANCELLED, self.now(), StopReason.CANCELLED
         self.live.pop(req.id, None)
 
@@ -248,8 +320,14 @@ class Scheduler:
         req.inputs = None
         self.live.pop(req.id, None)
         self._lookups.pop(req.id, None)
+        self._free_constraint(req)
         if self.controller is not None:
             self.controller.remove_row(req.id)
+
+    def _free_constraint(self, req: Request) -> None:
+        """Frees the pool slot an ended request held (its row, done, is never masked again)."""
+        self._pool_slots.free(req.id)
+        req.constraint = None  # history keeps no tables
 
     def reset_batch(self, error: str) -> list[Request]:
         """After an error inside a chunk (the device's, or the host's while it read the chunk): fails
@@ -260,6 +338,7 @@ class Scheduler:
         for r in failed:
             self.fail(r, error)
         self.slots = [None] * self.b
+        self._pool_slots.clear()  # the fresh batch's pool is empty
         self.batch.reset()
         return failed
 
@@ -344,7 +423,7 @@ class Scheduler:
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
-        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new)
+        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new, prediction_bucket=self.prediction_cap)
 
     def _insert_program(self, p: int):
         """The insert at prompt bucket `p`, compiled on a placeholder request (done at once)."""
@@ -356,7 +435,9 @@ class Scheduler:
                              max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k,
                              top_p=req.top_p, stop_ids=req.stop_ids or self.engine.stop_ids(self.opts),
                              seed=req.seed, row_ids=[max(req.id, 0) if req.stream is None else req.stream],
-                             contribute=req.contribute, tenant=req.tenant)
+                             contribute=req.contribute, tenant=req.tenant,
+                             prediction=None if self.prediction_cap is None else [req.prediction],
+                             prediction_bucket=self.prediction_cap, constraint=req.pool_slot)
 
     def calibrate(self, steps: int = 4, repeats: int = 3, *, size: int | None = None) -> CostModel:
         """Seconds per target step of every option, at batch size `size` (default: all slots), on
@@ -457,7 +538,10 @@ class Scheduler:
 
     def _insert(self, slot: int, req: Request, now: float) -> None:
         req.arrived_s = now if req.arrival is None else req.arrival
-        view = self.batch.insert(slot, req.inputs if req.inputs is not None else self._inputs(req))
+        inputs = req.inputs if req.inputs is not None else self._inputs(req)
+        if req.constraint is not None:
+            inputs = self._with_pool_slot(req, inputs)
+        view = self.batch.insert(slot, inputs)
         req.inputs = None  # inserted: its arrays are the batch's now (history keeps no device buffers)
         t = self.now()
         req.status, req.slot = Status.RUNNING, slot
@@ -470,6 +554,13 @@ class Scheduler:
             self._lookups[req.id] = registry.host_replay(self._replay_spec, req.ids + req.tokens)
         if view.done[slot]:
             self._finish(req, t, 0)
+
+    def _with_pool_slot(self, req: Request, inputs: Inputs) -> Inputs:
+        """Takes a free pool slot for a constrained request, uploads its tables there (no compile) and
+        returns its inputs naming that slot; the row keeps it in `DecodeState.constraint`."""
+        req.pool_slot = self._pool_slots.take(req.id)
+        self.batch.upload(req.pool_slot, req.constraint)
+        return inputs.replace(constraint=jnp.asarray([req.pool_slot], jnp.int32))
 
     def _decode_chunk(self, plan: Plan, active: list[Request], size: int) -> None:
         o = plan.option
@@ -542,6 +633,7 @@ class Scheduler:
         if self.controller is not None:
             self.controller.remove_row(req.id)
         self._lookups.pop(req.id, None)
+        self._free_constraint(req)
 
     # ---- reporting ---------------------------------------------------------------------------
     def snapshot(self) -> SchedulerSnapshot:

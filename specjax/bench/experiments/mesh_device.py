@@ -30,13 +30,15 @@ from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine
 from specjax.models import config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
+from specjax.methods.draft.record import DraftModel
+from specjax.methods.medusa.record import LoadedHeads
 
 METHODS = {
     "none": SpecConfig(),
     "ngram": SpecConfig(method="ngram", k=4),
     "draft": SpecConfig(method="draft", k=4),
     "medusa": SpecConfig(method="medusa", k=3),
-    "tree": SpecConfig(method="medusa", tree="small"),
+    "tree": SpecConfig.make("medusa", tree="small"),
 }
 
 
@@ -73,8 +75,9 @@ def roofline(eng: Engine, batch: int, prompt_len: int, max_new: int, bandwidth: 
     all S slots of the position-indexed cache, masked)."""
     rows = eng.rows_for(batch)
     dec, _ = eng.build_decoder(SpecConfig(), prompt_bucket=eng.bucket_for(prompt_len), max_new_tokens=max_new)
-    weights = sharding.memory_report(eng, batch=rows, cache_length=dec.cache_length).parts["weights"]
-    cache = sharding.cache_bytes_per_device(eng.config, rows, dec.cache_length, eng.mesh)  # the target's alone
+    weights = sharding.memory_report(eng, batch=rows, cache_length=dec.cache_length, window=dec.window).parts["weights"]
+    # the target's alone
+    cache = sharding.cache_bytes_per_device(eng.model, rows, dec.cache_length, eng.mesh, window=dec.window)
     step_bytes = weights + cache
     return dict(batch=batch, rows=rows, weights_bytes_per_device=weights,
                 cache_bytes_per_device=cache, bytes_per_step=step_bytes,
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
     print(f"devices: {jax.device_count()} x {dev.device_kind} ({dev.platform}); mesh "
           f"{'none' if mesh is None else sharding.describe(mesh)}; {dtype}", file=sys.stderr)
     target, draft, heads = models(a.tiny, dtype)
-    eng = Engine(target, draft=draft, heads=heads, mesh=mesh)
+    eng = Engine(target, mesh=mesh,
+                 assets={"draft": DraftModel(draft), "medusa": LoadedHeads(heads)})
     vocab = target.config.vocab_size
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, vocab, a.prompt_len)]
     t0 = time.perf_counter()

@@ -36,17 +36,6 @@ class DraftModelProposer(Chain):
         graphdef, params = nnx.split(draft)
         return cls(k=k, graphdef=graphdef), params
 
-    @classmethod
-    def from_spec(cls, spec, assets):
-        if assets.draft is None:
-            raise ValueError("method 'draft' needs a draft model: Engine.load(..., draft_model=NAME) "
-                             "or --draft-model NAME")
-        dv, tv = assets.draft.config.vocab_size, assets.target.config.vocab_size
-        if dv != tv:  # its drafts are ids of its own vocabulary: they must be the target's
-            raise ValueError(f"draft model vocabulary ({dv} tokens) differs from the target's ({tv}); "
-                             "a draft must share the target's tokenizer")
-        return cls.from_model(assets.draft, k=spec.k)
-
     def init(self, params, state: DecodeState, inputs, hidden):
         model = nnx.merge(self.graphdef, params)
         prompts = inputs.prompts

@@ -108,15 +108,7 @@ class EagleProposer:
         graphdef, params = nnx.split(head)
         jids = jnp.asarray(ids)
         return cls(k=k, graphdef=graphdef, config=hc, nodes=nodes, topk=topk), EagleParams(
-            head=params, lm_rows=eagle_model.lm_rows(target, jids), ids=jids, embed=target.embed[...])
-
-    @classmethod
-    def from_spec(cls, spec, assets):
-        if assets.eagle is None:
-            raise ValueError("method 'eagle' needs an EAGLE head: Engine.load(..., eagle='default' or DIR) "
-                             "or --eagle DIR (train one with `specjax train-heads --kind eagle`)")
-        return cls.from_head(assets.eagle.module, assets.eagle.ids, assets.target, k=spec.k, nodes=spec.nodes,
-                             topk=spec.topk, draft_vocab=spec.draft_vocab or None)
+            head=params, lm_rows=eagle_model.lm_rows(target, jids), ids=jids, embed=target.embedding())
 
     # ---- static shape ------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax import sharding
 from specjax.core import tree as tree_lib
-from specjax.core.tree import HEADS_TREE, Tree, chain
+from specjax.core.tree import Tree, chain
 from specjax.models.eagle import check_draft_ids
 from specjax.models.heads import MedusaHeads
 from specjax.models.transformer import Transformer
@@ -49,25 +49,6 @@ class MedusaParams(sharding.Logical):
 
     def logical_axes(self):
         return dict(heads=None, lm_head=self.lm_axes, ids=(), embed=("vocab", "embed"))
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedHeads:
-    """Trained heads with what was tuned for them (`specjax tune-heads`) and their manifest."""
-
-    module: MedusaHeads
-    vocab: tuple[int, ...] | None = None  # token ids the shared-LM-head heads may propose
-    tree: Tree | None = None  # the candidate tree tuned for them (`SpecConfig(tree="heads")`)
-    manifest: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
-
-
-def heads_tree(heads: LoadedHeads | None) -> Tree:
-    """The candidate tree tuned for the loaded heads (`SpecConfig(tree="heads")`); one clear error
-    when there are none or they carry no tuned tree."""
-    if heads is None or heads.tree is None:
-        raise ValueError('tree="heads" needs heads that carry a tuned tree (tree.json beside them); '
-                         "name a tree (chain4, small, medium) or give --k")
-    return heads.tree
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,17 +101,8 @@ class MedusaProposer:
         proposer = cls(k=depth, graphdef=graphdef, tied=tied, tree=tree)
         return proposer, MedusaParams(heads=params, lm_head=weight,
                                       ids=None if ids is None else jnp.asarray(ids, jnp.int32),
-                                      embed=target.embed[...],
+                                      embed=target.embedding(),
                                       lm_axes=("vocab", "embed") if tied else ("embed", "vocab"))
-
-    @classmethod
-    def from_spec(cls, spec, assets):
-        if assets.heads is None:
-            raise ValueError("method 'medusa' needs Medusa heads: Engine.load(..., heads='default' or DIR) "
-                             "or --heads DIR")
-        tree = heads_tree(assets.heads) if spec.tree == HEADS_TREE else spec.tree
-        return cls.from_heads(assets.heads.module, assets.target, k=spec.k, tree=tree,
-                              vocab_subset=assets.heads.vocab)
 
     @property
     def paths(self) -> Tree:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.core import tree as tree_lib
+
 MAX_CANDIDATES = 32  # a row of the matrix: more candidates than a template of 64 nodes can use
 WARM_DEFAULT, WARM_COLD = "default", "cold"
 
@@ -11,6 +13,8 @@ WARM_DEFAULT, WARM_COLD = "default", "cold"
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecycleOptions:
     """Attributes:
+      tree: the draft template, a static tree of ranks in the matrix's rows (paths, parents first,
+        or the name of one in `specjax.core.tree.TREES`); None: a chain of the spec's k.
       recycle_k: candidates kept per token (the matrix is `[V, recycle_k]`), 1..32; a template's
         ranks must be below it.
       recycle_order: 2 also keeps a second-order table keyed by the last two tokens (read first,
@@ -28,6 +32,7 @@ class RecycleOptions:
         else none), "cold" (none), or a directory written by `specjax warm-recycle`.
     """
 
+    tree: tree_lib.Tree | str | None = None
     recycle_k: int = 8
     recycle_order: int = 2
     recycle_table: int = 1 << 16
@@ -38,6 +43,11 @@ class RecycleOptions:
     recycle_warm: str = WARM_DEFAULT
 
     def __post_init__(self):
+        if self.tree is not None:
+            if self.tree == "heads":
+                raise ValueError("tree='heads' is the tree tuned for Medusa heads: recycle takes a named tree "
+                                 f"({', '.join(tree_lib.TREES)}) or paths")
+            object.__setattr__(self, "tree", tree_lib.as_tree(self.tree))
         for name in ("recycle_k", "recycle_order", "recycle_table", "recycle_tenants", "recycle_spine",
                      "recycle_spine_max", "recycle_ngram_table"):
             v = getattr(self, name)
@@ -56,3 +66,12 @@ class RecycleOptions:
             raise ValueError(f"recycle_ngram_table={self.recycle_ngram_table}: give the table's slots, or 0 for none")
         if not isinstance(self.recycle_warm, str) or not self.recycle_warm:
             raise ValueError(f"recycle_warm={self.recycle_warm!r}: give 'default', 'cold' or a directory")
+        if self.tree is not None and max(p[-1] for p in self.tree) >= self.recycle_k:
+            top = max(p[-1] for p in self.tree)
+            raise ValueError(f"recycle template uses rank {top}, beyond the matrix's recycle_k={self.recycle_k} "
+                             f"candidates per token: give recycle_k >= {top + 1} or a narrower tree")
+
+    @property
+    def depth(self) -> int | None:
+        """The template's depth (None: a chain of the spec's k)."""
+        return None if self.tree is None else max(len(p) for p in self.tree)

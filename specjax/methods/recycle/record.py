@@ -1,5 +1,5 @@
-"""What token recycling's registry record does: build the proposer from a spec, check the spec, serve
-it, and give its tuned templates (`specjax.methods.registry`)."""
+"""Token recycling's registry record: build the proposer from a spec, serve it, load its warm start,
+and give its tuned templates (`specjax.methods.registry`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from specjax.core import tree as tree_lib
 from specjax.core.ngram_table import TableConfig
 from specjax.methods.recycle import assets as recycle_assets
 from specjax.methods.recycle.matrix import RecycleParams, RecycleSpec
+from specjax.methods.method import TREE_FLAG, Flag, Record
 from specjax.methods.recycle.options import WARM_COLD, WARM_DEFAULT, RecycleOptions
 from specjax.methods.recycle.proposer import Levels, RecycleProposer
 
@@ -22,27 +23,8 @@ shipped_dir = recycle_assets.shipped_dir
 
 
 def template_of(spec) -> tree_lib.Tree:
-    """The spec's draft tree: its `tree` (a name or paths), or a chain of k."""
-    t = spec.tree
-    if t is None:
-        return tree_lib.chain(spec.k)
-    if isinstance(t, str):
-        if t not in tree_lib.TREES:
-            raise ValueError(f"tree={t!r}: recycle takes a named tree ({', '.join(tree_lib.TREES)}) or paths "
-                             "(tree='heads' is the tree tuned for Medusa heads)")
-        return tree_lib.TREES[t]
-    return tuple(tuple(int(r) for r in p) for p in t)
-
-
-def check(spec) -> None:
-    """The template is a valid tree whose ranks lie below the matrix's `recycle_k` candidates."""
-    o: RecycleOptions = spec.options
-    template = template_of(spec)
-    tree_lib.validate_tree(template)
-    top = max(p[-1] for p in template)
-    if top >= o.recycle_k:
-        raise ValueError(f"recycle template uses rank {top}, beyond the matrix's recycle_k={o.recycle_k} "
-                         f"candidates per token: give recycle_k >= {top + 1} or a narrower tree")
+    """The spec's draft tree: its options' `tree`, or a chain of k."""
+    return tree_lib.chain(spec.k) if spec.options.tree is None else spec.options.tree
 
 
 def warm_params(assets, options: RecycleOptions) -> RecycleParams:
@@ -120,16 +102,16 @@ def auto(assets, ks, given) -> list[dict]:
     return list({repr(o): o for o in options}.values())
 
 
-def load_into(engine, path: str) -> None:
-    """`Record.load`: the warm start at `path` into `engine` ("default": the one shipped for the model,
-    if any; else the matrix starts cold, as `recycle_warm="cold"`)."""
-    where = recycle_assets.shipped_dir(engine.name) if path == WARM_DEFAULT else path
+def load(host, path: str) -> "WarmStart | None":
+    """`Record.load`: the warm start at `path` for the host's target ("default": the one shipped for
+    the model; None when none ships, so the matrix starts cold, as `recycle_warm="cold"`)."""
+    where = recycle_assets.shipped_dir(host.name) if path == WARM_DEFAULT else path
     if where is None:
-        return
+        return None
     man = recycle_assets.read(where)[0]
-    params = recycle_assets.load(where, vocab=engine.config.vocab_size, k=int(man["k"]), name=engine.name,
-                                 weights_id=engine.weights_id)
-    engine.set_asset(METHOD, WarmStart(params=params, tuning=recycle_assets.tuning(where), manifest=man))
+    params = recycle_assets.load(where, vocab=host.config.vocab_size, k=int(man["k"]), name=host.name,
+                                 weights_id=host.weights_id)
+    return WarmStart(params=params, tuning=recycle_assets.tuning(where), manifest=man)
 
 
 class WarmStart:
@@ -153,3 +135,17 @@ class WarmStart:
     @property
     def second(self):
         return self.params.second
+
+
+RECORD = Record(
+    METHOD, build, option_type=RecycleOptions, shape=lambda spec: (spec.options.depth, spec.options.tree is not None),
+    tuned=tuned, auto=auto, serving=serving, load=load, shipped=shipped_dir, flags=(
+        TREE_FLAG,
+        Flag("--recycle-k", "recycle_k", int, "recycle: candidates kept per token, 1..32 (default 8)", min=1),
+        Flag("--recycle-order", "recycle_order", int,
+             "recycle: 2 also keeps a table keyed by the last two tokens; 1 the matrix alone (default 2)", min=1),
+        Flag("--recycle-spine", "recycle_spine", int,
+             "recycle: prompt lookup on the spine, a match of at least N tokens (0 = off; default 2)", min=0),
+        Flag("--recycle-warm", "recycle_warm", str,
+             "recycle: the matrix its drafts fall back on: default (the loaded or shipped warm start), "
+             "cold (none) or a warm start's directory")))

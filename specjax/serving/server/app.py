@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP surface (Starlette) over the engine thread.
 
-Routes: POST /v1/chat/completions and /v1/completions (SSE with "stream": true), GET /v1/models,
+Routes: POST /v1/chat/completions and /v1/completions (SSE with "stream": true), GET /v1/models (with
+the speculation options and the constraint pool's limits),
 GET /health (503 until the warm-up compiles are done, then 200), GET /metrics (Prometheus).
 With API keys (`ServeConfig.api_keys`), the /v1 routes answer 401 without one; /health and /metrics
 stay open (`auth`).
@@ -9,7 +10,9 @@ A request is checked in this order, so that a bad one costs little and delays no
 its body's size (413, `guard.read_body`), then, in a worker thread off the event loop, its JSON and
 fields (`protocol.parse`), its prompt's length in characters (a prompt longer than the prompt bucket
 times the tokenizer's longest token cannot fit), the chat template and the tokenizer, and the
-model's limits (400 or 404), all before it reaches the engine thread: bad input costs no compile and
+model's limits (400 or 404), and last its constraint (`response_format`, `regex`, `choice`: compiled
+through the engine's cache, which can take seconds for a large schema, and checked against the
+scheduler's pool; 400 naming the field), all before it reaches the engine thread: bad input costs no compile and
 no slot. Text comes back through the tokenizer's stream decoder; stop strings are matched on the
 decoded text (held back by the longest stop string minus one character, so no stop string is ever
 streamed) and cancel the request in the engine at the next chunk boundary. A client that
@@ -36,12 +39,14 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specjax.serving.constraints import ConstraintError
 from specjax.serving.scheduler import Scheduler
 from specjax.serving.server import protocol
 from specjax.serving.server.auth import Keys, TenantIds
 from specjax.serving.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
 from specjax.serving.server.guard import RequestIds, error_response, read_body, request_id
 from specjax.serving.server.metrics import Metrics, memory_added, memory_now
+from specjax.methods.predict.usage import prediction_usage
 from specjax.serving.server.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
@@ -99,6 +104,7 @@ class _Ctx:
     stream: bool
     include_usage: bool
     token_ids: bool
+    prediction: list[int] | None = None  # the request's predicted output, for the usage counts
 
 
 @dataclasses.dataclass
@@ -216,7 +222,10 @@ class Server:
         return JSONResponse({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specjax",
             "max_model_len": s.engine.config.max_seq_len, "max_tokens": s.opts.max_new_tokens,
-            "speculation": {"mode": "auto" if s.ccfg is not None else "fixed", "options": options}}]})
+            "speculation": {"mode": "auto" if s.ccfg is not None else "fixed", "options": options},
+            # the largest constraint (response_format, regex, choice) a request may bring; null: none
+            "constraints": (None if s.constraint_pool is None else
+                            {"states": s.constraint_pool.states, "classes": s.constraint_pool.classes})}]})
 
     async def prometheus(self, request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -293,6 +302,7 @@ class Server:
             raise bad(f"n={body.n}: only n=1 is supported", "n")
         if body.logprobs or body.top_logprobs:
             raise bad("logprobs are not supported by this server", "logprobs")
+        protocol.refuse_unsupported(body)
         if not ids:
             raise bad("the prompt is empty", "prompt")
         if len(ids) > self.bucket:
@@ -328,7 +338,26 @@ class Server:
                   top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
                   stream=None if body.seed is None else 0)  # a seed names the whole random stream
         kw.update(protocol.speculation_option(body.speculation, s.options, fixed=s.fixed))
+        predicted = protocol.prediction_text(body.prediction)
+        if predicted is not None:
+            self._check_chars(len(predicted), "prediction")
+            kw["prediction"] = self.tokenizer.encode(predicted, add_bos=False)
+            if s.prediction_cap is not None and len(kw["prediction"]) > s.prediction_cap:
+                raise bad(f"the prediction has {len(kw['prediction'])} tokens; this server's predict option takes "
+                          f"at most {s.prediction_cap} (start it with a larger --prediction-cap)", "prediction")
+        tables = self._constraint(body, stop_ids)  # last: the one check that may take seconds
+        if tables is not None:
+            kw["constraint"] = tables
         return kw
+
+    def _constraint(self, body, stop_ids: list[int]):
+        """In the worker thread: the request's constraint compiled (cached) and checked against the
+        scheduler's pool (`Scheduler.check_constraint`), or a 400 naming the field; None: free."""
+        try:
+            return self.sched.check_constraint(response_format=body.response_format, regex=body.regex,
+                                               choice=body.choice, stop_ids=stop_ids)
+        except ConstraintError as e:
+            raise bad(str(e), e.field) from None
 
     async def _complete(self, request: HTTPRequest, prep: _Prepared, kind: str, arrived: float, tenant: str):
         body, ids = prep.body, prep.ids
@@ -352,7 +381,7 @@ class Server:
         ctx = _Ctx(kind=kind, rid=rid, id=("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
                    created=int(time.time()), prompt_tokens=len(ids), stops=prep.stops, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   token_ids=body.return_token_ids)
+                   token_ids=body.return_token_ids, prediction=prep.submit.get("prediction"))
         if body.stream:
             return StreamingResponse(self._sse(job, ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -408,9 +437,14 @@ class Server:
         log.error("request %s failed in the engine: %s", ctx.rid, end.error)
         return APIError(500, f"the request failed in the engine: {end.error} (request {ctx.rid})", type="server_error")
 
-    def _usage(self, ctx: _Ctx, end: End | None, completion: int) -> dict:
-        return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": ctx.prompt_tokens + completion}
+    def _usage(self, ctx: _Ctx, end: End | None, completion: list[int]) -> dict:
+        usage = {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": len(completion),
+                 "total_tokens": ctx.prompt_tokens + len(completion)}
+        if ctx.prediction is not None:
+            accepted, rejected = prediction_usage(ctx.prediction, completion)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": rejected}
+        return usage
 
     def _spec_metrics(self, end: End | None) -> dict:
         req = end.request if end is not None else None
@@ -427,7 +461,7 @@ class Server:
             choice["token_ids"] = toks
         return {"id": ctx.id, "object": "chat.completion" if ctx.kind == "chat" else "text_completion",
                 "created": ctx.created, "model": self.config.model_name, "choices": [choice],
-                "usage": self._usage(ctx, end, len(toks)), **self._spec_metrics(end)}
+                "usage": self._usage(ctx, end, toks), **self._spec_metrics(end)}
 
     def _chunk(self, ctx: _Ctx, text: str, toks: list[int], finish: str | None, *, first: bool = False) -> dict:
         if ctx.kind == "chat":
@@ -444,18 +478,18 @@ class Server:
         sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii='error' in obj)}\n\n"  # errors may quote input
         try:
             try:
-                n, first = 0, True
+                toks, first = [], True
                 async for delta, ids, finish, end in self._events(job, ctx):
                     if end is not None and end.reason == "error":
                         yield sse(self._end_error(end, ctx).body())
                         break
-                    n += len(ids)
+                    toks += ids
                     yield sse(self._chunk(ctx, delta, ids, finish, first=first))
                     first = False
                     if finish is not None:
                         if ctx.include_usage:
                             usage = {**self._chunk(ctx, "", [], None), "choices": [],
-                                     "usage": self._usage(ctx, end, n), **self._spec_metrics(end)}
+                                     "usage": self._usage(ctx, end, toks), **self._spec_metrics(end)}
                             yield sse(usage)
                         break
             except Exception:  # the status is sent: the stream ends with an error event naming the request

@@ -18,8 +18,29 @@ Extensions beside the OpenAI fields (as vLLM and llama-server add theirs):
 - `timeout`: seconds from arrival; past it the request ends with finish_reason "timeout".
 - `return_token_ids`: the generated token ids beside the text (as vLLM's).
 
-Other top-level fields are ignored, as OpenAI-compatible servers do; `IGNORED` lists the OpenAI
-fields a client may send that this server accepts and does not act on.
+Structured answers (the server needs a constraint pool: `specjax serve --constraint-states N
+--constraint-classes M`, on by default; 0 turns it off, and a constrained request is then a 400 saying
+so). One of:
+- `response_format`: {"type": "text"} (no constraint), {"type": "json_object"} (any JSON object), or
+  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}: the answer
+  is compact JSON valid under the schema (keys in the schema's order).
+- `regex` (extension, a string): the whole answer matches this regular expression.
+- `choice` (extension, a list of strings): the answer is exactly one of them.
+The constraint is compiled (cached; a large schema can take seconds) in a worker thread off the event
+loop, before the request is queued; a malformed one, two at once, or one larger than the pool (its
+automaton states or token classes) is a 400 naming the field, with the fix. Every position the model
+samples or verifies is masked by the constraint's automaton, speculation included; the answer ends at
+the model's stop token once complete (finish_reason "stop"), or at max_tokens ("length": cut short,
+not valid yet).
+
+`prediction` ({"type": "content", "content": text or text parts}, OpenAI's Predicted Outputs) is the
+text the answer is expected to restate: a `predict` option drafts from it, and `usage` reports
+`completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens` whatever ran.
+
+Nothing is dropped in silence. A field that would change the answer and is not supported
+(`UNSUPPORTED`: penalties, tools, audio, reasoning effort, ...) is a 400 naming it, unless its value
+is the neutral one (a penalty of 0, `tools: []`, `tool_choice: "none"`); so is a top-level field this
+server does not know. `IGNORED` lists the OpenAI fields it accepts that cannot change the answer.
 """
 
 from __future__ import annotations
@@ -32,9 +53,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-IGNORED = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "tools", "tool_choice",
-           "parallel_tool_calls", "functions", "function_call", "metadata", "store", "service_tier",
-           "reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "best_of", "suffix")
+IGNORED = ("metadata", "store", "service_tier", "parallel_tool_calls", "user")  # accepted: no effect on the answer
 
 
 class APIError(Exception):
@@ -55,6 +74,7 @@ def bad(message: str, param: str | None = None) -> APIError:
 
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # a top-level field it does not know: 400
 
 
 class SpecRequest(BaseModel):
@@ -68,8 +88,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class ContentPart(BaseModel):
     model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
+class Prediction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
+class _Common(BaseModel):
+    model_config = _REQUEST
 
     model: str
     max_tokens: int | None = None
@@ -90,12 +122,27 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     logprobs: bool | int | None = None  # not supported: refused when asked for
     top_logprobs: int | None = None
-
-
-class ContentPart(BaseModel):
-    model_config = _STRICT
-    type: str
-    text: str | None = None
+    prediction: Prediction | None = None
+    response_format: dict | None = None  # a constraint (see the module docstring), with `regex` and `choice`
+    regex: str | None = None
+    choice: list[str] | None = None
+    # OpenAI fields that change the answer, refused unless neutral (`UNSUPPORTED`)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    # OpenAI fields that cannot change the answer (`IGNORED`)
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatMessage(BaseModel):
@@ -112,6 +159,49 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# field -> (its neutral values: accepted, as leaving it out; why another value is refused)
+UNSUPPORTED = {
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
+    "logit_bias": ((None, {}), "logit_bias is not supported yet: leave it out"),
+    "tools": ((None, []), "tool calls are not supported: leave tools out"),
+    "tool_choice": ((None, "none", "auto"), "tool calls are not supported: leave tool_choice out"),
+    "functions": ((None, []), "function calls are not supported: leave functions out"),
+    "function_call": ((None, "none", "auto"), "function calls are not supported: leave function_call out"),
+    "reasoning_effort": ((None,), "this server's models do not reason: leave reasoning_effort out"),
+    "modalities": ((None, ["text"]), "only text output is supported: send [\"text\"] or leave it out"),
+    "audio": ((None,), "audio output is not supported: leave audio out"),
+    "web_search_options": ((None,), "web search is not supported: leave web_search_options out"),
+    "best_of": ((None, 1), "best_of > 1 is not supported: send 1 or leave it out"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported: leave suffix out"),
+}
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """A 400 naming the first field whose value would change the answer in a way this server does
+    not support (`UNSUPPORTED`); nothing for neutral values."""
+    for name, (neutral, why) in UNSUPPORTED.items():
+        if name in type(body).model_fields and getattr(body, name) not in neutral:
+            raise bad(f"{name}: {why}", name)
+
+
+def prediction_text(prediction: Prediction | None) -> str | None:
+    """The predicted output's text (its text parts joined), or None."""
+    if prediction is None:
+        return None
+    if isinstance(prediction.content, str):
+        return prediction.content
+    parts = []
+    for i, p in enumerate(prediction.content):
+        if p.type != "text" or p.text is None:
+            raise bad(f"prediction.content[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                      f"supported, got type {p.type!r}", "prediction.content")
+        parts.append(p.text)
+    return "".join(parts)
 
 
 def message_text(m: ChatMessage, i: int) -> str:
@@ -174,6 +264,8 @@ def parse(raw: bytes, model: type[BaseModel], *, max_values: int) -> BaseModel:
     except pydantic.ValidationError as e:
         err = e.errors(include_url=False, include_input=False)[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise bad(f"{loc}: unknown field; this server does not support it (leave it out)", loc) from None
         raise bad(f"{loc}: {err['msg']}", loc or None) from None
 
 

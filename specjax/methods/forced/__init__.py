@@ -1,0 +1,1 @@
+"""Forced text as drafts: the tokens a structured-answer constraint fixes (`proposer`)."""

@@ -1,0 +1,98 @@
+"""The server's request surface beyond sampling: `prediction` (OpenAI's Predicted Outputs) with its
+usage counts, and a 400 naming every field that would change the answer and is not supported (never
+a silent drop), driven by the official `openai` client against a tiny model with a predict option."""
+
+import pytest
+from conftest import need_module
+from tiny_server import MAX_TOKENS, MODEL, running, shared_engine
+
+from specjax.methods.config import SpecConfig
+from specjax.serving import server as srv
+
+PROMPT = "abc abc abc"
+
+
+@pytest.fixture(scope="module")
+def served():
+    eng = shared_engine()
+    sched = srv.scheduler_for(eng, method="predict", spec=SpecConfig.make("predict", k=4, prediction_cap=48),
+                              slots=2, max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=16)
+    server = srv.Server(sched, srv.ServeConfig(model_name=MODEL))
+    with running(server) as url:
+        yield eng, server, url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    openai = need_module("openai")
+    return openai.OpenAI(base_url=served[2] + "/v1", api_key="test", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def answer(served):
+    """The plain greedy answer (tokens, text) to PROMPT as a chat turn."""
+    eng = served[0]
+    toks = eng.generate([PROMPT], chat=True, max_new_tokens=MAX_TOKENS)[0].tokens
+    return toks, eng.tokenizer.decode(toks, skip_special=True)
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=MAX_TOKENS, **kw)
+
+
+def test_a_right_prediction_is_accepted_and_reported(client, answer):
+    toks, text = answer
+    r = _chat(client, prediction={"type": "content", "content": text}, extra_body={"return_token_ids": True})
+    assert r.choices[0].message.content == text
+    details = r.usage.completion_tokens_details
+    assert details.rejected_prediction_tokens == 0 and details.accepted_prediction_tokens > 0
+    spec = r.model_extra["metrics"]["speculative_decoding"]
+    assert spec["chunks"].get("predict:4") and spec["num_accepted_tokens"] > 0
+
+
+def test_a_wrong_prediction_changes_nothing_but_its_usage(client, answer):
+    toks, text = answer
+    wrong = "zzzz " + text[::-1]
+    parts = [{"type": "text", "text": wrong[:5]}, {"type": "text", "text": wrong[5:]}]
+    r = _chat(client, prediction={"type": "content", "content": parts})
+    assert r.choices[0].message.content == text
+    d = r.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == len(wrong) and d.rejected_prediction_tokens > 0
+    streamed = _chat(client, prediction={"type": "content", "content": wrong}, stream=True,
+                     stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.rejected_prediction_tokens == d.rejected_prediction_tokens
+    assert _chat(client).usage.completion_tokens_details is None  # no prediction: no prediction counts
+
+
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"), ("reasoning_effort", "low"), ("modalities", ["text", "audio"]),
+    ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}), ("n", 2), ("logprobs", True),
+])
+def test_fields_that_would_change_the_answer_are_400s_naming_them(client, field, value):
+    openai = need_module("openai")
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, **{field: value})
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_unknown_fields_and_bad_predictions_are_400s(client, served):
+    openai = need_module("openai")
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, extra_body={"repetition_penalty": 1.2})
+    assert e.value.body["param"] == "repetition_penalty" and "unknown field" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, prediction={"type": "content", "content": "x" * 49})  # 49 tokens: one past the cap
+    assert e.value.body["param"] == "prediction" and "at most 48" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, prediction={"type": "content", "content": [{"type": "image_url", "image_url": "u"}]})
+    assert e.value.body["param"] == "prediction.content"
+
+
+def test_neutral_values_and_inert_fields_are_accepted(client, answer):
+    r = _chat(client, frequency_penalty=0, presence_penalty=0.0, tools=[], tool_choice="none", metadata={"a": "1"},
+              store=False, response_format={"type": "text"}, modalities=["text"], n=1)
+    assert r.choices[0].message.content == answer[1]
