@@ -25,13 +25,15 @@ $(VENV)/.test: $(VENV)/.base
 
 # auto speculation against plain decoding on the same prompts, 3 runs each in turns: the speedup with
 # its spread; without PROMPT, the shipped demo set (specjax/bench/data/demo.jsonl): a configuration
-# request (where speculation pays) and an open question (where auto falls back). It says so when a
-# speedup comes from the output repeating itself. Auto chooses among prompt lookup's lengths here: every
-# option it may choose is compiled before the first token, so the first run waits for each (`--method
-# auto` without --auto-methods adds the shipped Medusa and EAGLE heads). A --method in ARGS replaces auto.
+# edit with the file as its prediction (where prediction and prompt lookup pay), a configuration request
+# under a JSON schema (where forced text pays) and an open question (where auto falls back). It says so
+# when a speedup comes from the output repeating itself. Auto chooses among prompt lookup, the prediction
+# and the forced text at their lengths here: every option it may choose is compiled before the first
+# token, so the first run waits for each (`--method auto` without --auto-methods adds the shipped Medusa
+# and EAGLE heads). A --method in ARGS replaces auto.
 run: $(VENV)/.base  ## generate with the embedded default model (fetched on first use)
 	$(VENV)/bin/specjax generate --model smollm2-135m --chat \
-	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram,predict) \
+	    $(if $(findstring --method,$(ARGS)),,--method auto --auto-methods ngram,predict,forced) \
 	    $(if $(PROMPT),--prompt "$(PROMPT)",--demo) $(ARGS)
 
 # the shipped ops prompts (configuration files and diagnostic questions) through the scheduler, auto

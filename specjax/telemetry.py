@@ -116,14 +116,16 @@ class StopReason(enum.StrEnum):
     STOP_TOKEN = "stop_token"
     MAX_NEW_TOKENS = "max_new_tokens"
     CACHE_FULL = "cache_full"
+    CONSTRAINT_UNMET = "constraint_unmet"  # at a stop token its constraint did not accept (a dead state)
     CANCELLED = "cancelled"  # a scheduler request cancelled by its client
     ERROR = "error"  # a scheduler request that failed
 
 
-def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int | np.integer) -> StopReason:
-    """Why a finished row stopped: at a stop token, at its budget, or with its cache full."""
+def stop_reason(tokens: Sequence[int], stop_ids, max_new_tokens: int | np.integer, *, met: bool = True) -> StopReason:
+    """Why a finished row stopped: at a stop token (its constraint `met` there, or not), at its
+    budget, or with its cache full."""
     if tokens and tokens[-1] in set(int(t) for t in stop_ids if t >= 0):
-        return StopReason.STOP_TOKEN
+        return StopReason.STOP_TOKEN if met else StopReason.CONSTRAINT_UNMET
     if len(tokens) >= max_new_tokens:
         return StopReason.MAX_NEW_TOKENS
     return StopReason.CACHE_FULL

@@ -43,13 +43,44 @@ def test_generate_flags_make_their_spec(argv, want):
     (["--batch-size", "0"], "--batch-size=0"),
     (["--json-schema", "/nonexistent/schema.json"], "no such file"),
     (["--json-schema", "/nonexistent/schema.json", "--regex", "[a-z]+"], "give one constraint"),
-    (["--method", "auto", "--regex", "[a-z]+"], "--method auto yet"),
 ])
 def test_generate_bad_flags_fail_before_loading(argv, match, monkeypatch, capsys):
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
     assert cli.main(["generate", "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err, err
+
+
+def test_prompts_with_different_constraints_in_one_batch_fail_before_loading(monkeypatch, capsys):
+    """Outside auto a batch runs one constraint: the demo's schema prompt beside free ones at
+    --batch-size 3 is refused before the model loads (auto takes them, a pool slot each)."""
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli.main(["generate", "--demo", "--batch-size", "3", "--method", "ngram"]) == 2
+    err = capsys.readouterr().err
+    assert "demo-config, demo-schema, demo-question share a batch but not a constraint" in err, err
+    assert "--batch-size 1, or --method auto" in err
+
+
+def test_generate_auto_takes_a_json_schema_for_every_prompt(tiny_json_cli, capsys, monkeypatch, tmp_path):
+    """`--json-schema FILE` with auto: every prompt constrained in both arms, forced among the options."""
+    import json
+
+    import jsonschema
+
+    from specjax.cli import commands as cli
+    from specjax.serving import scheduler
+
+    made = []
+    init = scheduler.Scheduler.__init__
+    monkeypatch.setattr(scheduler.Scheduler, "__init__", lambda self, *a, **kw: (init(self, *a, **kw), made.append(self))[0])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    assert cli.main(["generate", "--method", "auto", "--prompt", "abc", "--repeats", "1", "--max-new-tokens", "16",
+                     "--json-schema", str(tmp_path / "s.json"), "--auto-methods", "ngram,forced", "--json"]) == 0
+    (rec,) = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert rec["stop_reason"] == "stop_token", rec
+    jsonschema.validate(json.loads(rec["text"]), schema)
+    assert [r.pool_slot > 0 for s in made for r in s.requests] == [True, True]
 
 
 def test_a_method_contributes_its_flags_from_its_record(monkeypatch, capsys):
@@ -117,7 +148,27 @@ def tiny_cli(tiny_model, monkeypatch):
     return engines
 
 
-def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli, capsys, monkeypatch):
+@pytest.fixture
+def tiny_json_cli(tiny_model, monkeypatch):
+    """The tiny model behind `Engine.load`, with a byte-level tokenizer that spells JSON (so the demo's
+    schema compiles over its vocabulary) and a stop token."""
+    from test_server_constraints import json_engine
+
+    from specjax.serving.engine import Engine
+
+    engines = []
+
+    def load(cls, name, **kw):
+        engines.append(Engine(tiny_model, json_engine().tokenizer, name="tiny"))
+        return engines[-1]
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    return engines
+
+
+def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_json_cli, capsys, monkeypatch):
+    """`make run`'s command on the tiny model: the three demo prompts (the schema one constrained in both
+    arms, through a constraint pool), auto among prompt lookup, the prediction and the forced text."""
     from specjax.cli import commands as cli
     from specjax.serving import scheduler
 
@@ -129,13 +180,16 @@ def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli,
         made.append(self)
 
     monkeypatch.setattr(scheduler.Scheduler, "__init__", spy)
-    rc = cli.main(["generate", "--method", "auto", "--demo", "--repeats", "2", "--max-new-tokens", "12"])
+    rc = cli.main(["generate", "--method", "auto", "--demo", "--repeats", "2", "--max-new-tokens", "12",
+                   "--auto-methods", "ngram,predict,forced"])
     out, err = capsys.readouterr()
     assert rc == 0
-    assert "--- demo-config (configuration request) ---" in out and "--- demo-question (open question) ---" in out
-    lines = [ln for ln in err.splitlines() if ln.startswith(("[configuration request:", "[open question:"))
-             and "repeats" not in ln]  # a repetition note may follow a line (the tiny model loops)
-    assert len(lines) == 2, err
+    for head in ("demo-config (configuration request)", "demo-schema (configuration as JSON)",
+                 "demo-question (open question)"):
+        assert f"--- {head} ---" in out, out
+    lines = [ln for ln in err.splitlines() if ln.startswith(("[configuration request:", "[configuration as JSON:",
+                                                              "[open question:")) and "repeats" not in ln]
+    assert len(lines) == 3, err  # a repetition note may follow a line (the tiny model loops)
     for ln in lines:  # a speedup with its spread over 2 runs, or no claim at all
         assert ("x plain decoding, median of 2 (range " in ln) != ("no speculation, no speedup claimed" in ln), ln
         assert "2 interleaved runs each, compile excluded); identical to plain 2/2]" in ln, ln
@@ -145,8 +199,11 @@ def test_generate_auto_reports_each_prompt_class_from_interleaved_runs(tiny_cli,
     assert [all(r.opt_out for r in s.requests) for s in made] == [False, True, True, False]
     assert all(s.costs is made[0].costs for s in made)
     # one set of programs for both arms: everything compiled while the first scheduler prepared
-    (engine,) = tiny_cli
     assert sum(s.compile_s > 0 for s in made) == 1
+    assert {o.method for o in made[0].options} == {"none", "ngram", "predict", "forced"}
+    assert all(s.constraint_pool is not None for s in made)
+    constrained = [[r.pool_slot > 0 for r in s.requests] for s in made]
+    assert constrained == [[False, True, False]] * 4  # the schema prompt, in both arms
 
 
 def test_chat_on_a_model_without_a_template_is_one_clear_error(tiny_cli, capsys):

@@ -307,3 +307,42 @@ def test_forced_drafts_the_text_the_automaton_fixes(eng, plain):
     assert new_tokens(state) == plain
     hist = np.asarray(state.stats.accept_hist)[2]  # row 2: FORCED
     assert hist[3] >= 1, hist
+
+
+# 5, then a dead state: not accepting and nothing allowed (hand-built: the compiler prunes such states)
+DEAD = Toy.build({1: [5]}, {(0, 1): 1}, set())
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig(method="ngram", k=4)], ids=["plain", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1.0"])
+def test_a_dead_state_ends_the_answer_with_constraint_unmet(eng, spec, temperature):
+    """A row whose automaton reaches a dead state is never masked to all NEG_INF: its stop token is
+    allowed there, the answer ends with it, and the result says the constraint was not met; a met
+    answer says stop_token, in the same batch."""
+    from specjax.core.constraint import met
+    from specjax.serving.engine import GenerateOptions
+
+    opts = GenerateOptions(max_new_tokens=8, stop_ids=(STOP,), temperature=temperature, seed=3)
+    dead = eng.start([[1, 2, 3], [9, 8, 7]], opts, spec=spec, constraint=DEAD).run()
+    for res in dead:
+        assert res.tokens == [5, STOP] and res.stop_reason == "constraint_unmet", res
+    done = eng.start([PROMPTS[0]], dataclasses.replace(opts, max_new_tokens=16), spec=spec, constraint=DIGITS).run()[0]
+    assert done.stop_reason == "stop_token" and DIGITS.valid(done.tokens) and met(DIGITS, done.tokens, [STOP])
+    assert not met(DEAD, [5, STOP], [STOP]) and not met(DIGITS, [10, 3, STOP], [STOP])
+
+
+def test_a_dead_state_in_the_scheduler_is_a_finish_reason(tiny_model):
+    """Through the scheduler (the server's path): the request ends with stop reason constraint_unmet,
+    which the server sends as that finish_reason."""
+    from specjax.serving.constraints import ConstraintLimits
+    from specjax.serving.engine import GenerateOptions
+    from specjax.serving.scheduler import Scheduler
+    from specjax.serving.server.engine_thread import FINISH
+
+    s = Scheduler(Engine(tiny_model), slots=1, opts=GenerateOptions(max_new_tokens=8, stop_ids=(STOP,)),
+                  max_prompt_tokens=16, constraint_pool=ConstraintLimits(states=8, classes=8))
+    s.submit([1, 2, 3], constraint=DEAD)
+    s.submit([1, 2, 3], constraint=DIGITS)
+    dead, digits = s.run()
+    assert (dead.tokens, dead.stop_reason, FINISH[dead.stop_reason]) == ([5, STOP], "constraint_unmet", "constraint_unmet")
+    assert digits.stop_reason in ("stop_token", "max_new_tokens") and DIGITS.valid(digits.tokens)

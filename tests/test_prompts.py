@@ -4,6 +4,7 @@ import json
 import pathlib
 import tomllib
 
+import jsonschema
 import pytest
 
 from specjax.bench import prompts
@@ -28,10 +29,31 @@ def test_the_ops_set_has_configuration_and_diagnostic_classes():
     assert [p.task for p in read_prompts("ops", per_task=2, tasks=("diagnostic",))] == ["diagnostic"] * 2
 
 
-def test_the_demo_set_is_a_configuration_request_and_an_open_question():
+def test_the_demo_set_is_an_edit_a_schema_request_and_an_open_question():
+    """`make run`'s prompts: an edit whose file is its prediction, a request under a JSON schema (the
+    same file's settings; a valid answer exists), an open question with neither."""
     got = read_prompts(prompts.DEMO)
     assert [(p.id, p.task) for p in got] == [("demo-config", "configuration request"),
+                                             ("demo-schema", "configuration as JSON"),
                                              ("demo-question", "open question")]
+    edit, schema, question = got
+    assert edit.prediction and edit.prediction in edit.text and edit.response_format is None
+    assert schema.prediction is None and schema.response_format["type"] == "json_schema"
+    answer = {"server": {"host": "0.0.0.0", "port": 9090, "workers": 4}, "logging": {"level": "info", "format": "json"},
+              "database": {"host": "inventory-db", "port": 5432, "name": "inventory"}}
+    jsonschema.validate(answer, schema.response_format["json_schema"]["schema"])
+    assert question.prediction is None and question.response_format is None and question.regex is None
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"turns": ["x"], "response_format": "json"}', "response_format must be an object"),
+    ('{"turns": ["x"], "regex": 3}', "regex must be a string"),
+])
+def test_a_malformed_constraint_in_a_prompt_file_is_refused_by_line(tmp_path, line, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=f"p.jsonl:1: malformed prompt line.*{match}"):
+        read_prompts(path)
 
 
 @pytest.mark.parametrize("name", prompts.SHIPPED)

@@ -147,3 +147,22 @@ def test_cancel_and_reset_free_pool_slots(eng, alone):
     out = s.run()
     assert [r.status for r in out] == ["cancelled", "failed", "failed", "finished", "finished", "finished"]
     assert [r.tokens for r in out[3:]] == alone[3:]
+
+
+def test_auto_runs_forced_beside_prompt_lookup_under_constraints(eng, alone):
+    """Auto choosing among plain, prompt lookup and `forced` (each at its K's) over constrained and free
+    requests: every answer equals its own alone, forced chunks ran and drafted the forced text (the
+    FORCED rows accept 3 7 3 7 in one step), and nothing compiles after the warm-up."""
+    from specjax.serving.controller import ControllerConfig
+
+    ccfg = ControllerConfig(methods=("ngram", "forced"), ks=(0, 4), explore_every=1)
+    s = serve(eng, "auto", controller=ccfg)
+    assert {o.method for o in s.options} == {"none", "ngram", "forced"}
+    s.prepare()
+    s.warm()
+    compiled = eng.compile_count
+    out = s.run(on_chunk=_rows_keep_their_pool_slots)
+    assert eng.compile_count == compiled
+    assert [r.tokens for r in out] == alone
+    ran = {k for r in out for k in r.chunks}
+    assert any(k.startswith("forced") for k in ran), ran

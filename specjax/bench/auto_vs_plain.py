@@ -6,6 +6,9 @@ of speculation (`Scheduler.submit(opt_out=True)`: plain chunks, and their text n
 n-gram table), so the comparison compiles nothing twice, and each run starts with an empty n-gram
 table (a repetition never looks up an earlier repetition's answer). Pairs alternate their order
 (auto then plain, plain then auto, ...). The cost model is calibrated once, in the first run.
+Prompts with a `response_format` or a `regex` are answered under it in both arms (the plain arm is
+constrained plain decoding, the oracle): the schedulers then carry a constraint pool sized to the
+largest.
 
 Example:
   >>> runs = auto_vs_plain.run(engine, prompts, GenerateOptions(max_new_tokens=64), ControllerConfig(),
@@ -48,22 +51,25 @@ class Runs:
 
 def run(engine, prompts: Sequence, opts, controller, *, slots: int, repeats: int = 3, chat: bool = False,
         stream: Callable[[list[int]], None] | None = None, log: Callable[[str], None] = lambda m: None) -> Runs:
-    """Serves `prompts` (with `.text`, `.task`, `.prediction`) `repeats` times in each arm, in turns; `stream` is
-    called with the first prompt's tokens after every chunk of the first auto run; `log` gets
-    progress lines."""
+    """Serves `prompts` (with `.text`, `.task`, `.prediction`, `.response_format`, `.regex`) `repeats`
+    times in each arm, in turns; `stream` is called with the first prompt's tokens after every chunk
+    of the first auto run; `log` gets progress lines."""
     from specjax.serving.scheduler import Scheduler
 
     if repeats < 1:
         raise ValueError(f"--repeats={repeats}: must be >= 1")
     longest = max(len(x) for x in engine.check([p.text for p in prompts], opts, chat=chat))
+    tables = [engine.constraint_for(response_format=p.response_format, regex=p.regex)  # compiled once
+              for p in prompts]
+    pool = constraint_limits(tables)
     runs = Runs(prompts=list(prompts), greedy=opts.sampling.greedy)
     costs = None
     for rep in range(repeats):
         for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
             s = Scheduler(engine, slots=slots, spec="auto", controller=controller, opts=opts, chat=chat,
-                          max_prompt_tokens=longest, costs=costs)
-            for p in prompts:
-                s.submit(p.text, task=p.task, opt_out=arm == "plain", prediction=p.prediction)
+                          max_prompt_tokens=longest, costs=costs, constraint_pool=pool)
+            for p, t in zip(prompts, tables):
+                s.submit(p.text, task=p.task, opt_out=arm == "plain", prediction=p.prediction, constraint=t)
             if costs is None:
                 t0, compiles = time.perf_counter(), engine.compile_count
                 s.prepare()
@@ -79,6 +85,19 @@ def run(engine, prompts: Sequence, opts, controller, *, slots: int, repeats: int
                 log(f"[timing auto and plain in turns on the same prompts, {repeats} run"
                     f"{'s' if repeats > 1 else ''} each ...]")
     return runs
+
+
+def constraint_limits(tables: Sequence):
+    """The smallest pool (`ConstraintLimits`, sizes rounded up to powers of two) that holds every
+    constraint of `tables` (None: free); None when none is constrained."""
+    from specjax.core.decoder import round_up_pow2
+    from specjax.serving.constraints import ConstraintLimits
+
+    shapes = [t.next_state.shape for t in tables if t is not None]
+    if not shapes:
+        return None
+    return ConstraintLimits(states=round_up_pow2(max(s for s, _ in shapes)),
+                            classes=round_up_pow2(max(c for _, c in shapes)))
 
 
 def _serve(s, stream) -> None:
@@ -116,11 +135,13 @@ def by_task(runs: Runs) -> list[compare.Report]:
 
 
 def records(runs: Runs, decode: Callable[[list[int]], str]) -> list[dict]:
-    """One record per prompt: its first auto run's text, tokens and counters, and its comparison."""
+    """One record per prompt: its first auto run's text, tokens, stop reason and counters, and its
+    comparison."""
     out = []
     for i, p in enumerate(runs.prompts):
         a = runs.auto[0][i]
-        out.append(dict(id=p.id, task=p.task, text=decode(a.tokens), tokens=a.tokens, tau=a.tau, chunks=a.chunks,
+        out.append(dict(id=p.id, task=p.task, text=decode(a.tokens), tokens=a.tokens, stop_reason=a.stop_reason,
+                        tau=a.tau, chunks=a.chunks,
                         comparison=report(runs, str(p.task), [i]).to_dict(),
                         identical_to_plain=runs.identical(i) if runs.greedy else None, **a.counters.to_dict()))
     return out

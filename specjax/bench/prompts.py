@@ -7,11 +7,13 @@ tests and notebooks run from a bare clone or an installed wheel; any file works 
   rag), 8 prompts each;
 - `ops`: an operations assistant's two classes, configuration files (`config`, 14) and diagnostic
   questions (`diagnostic`, 10);
-- `demo`: the two prompts of `specjax generate --demo` (`make run`).
+- `demo`: the three prompts of `specjax generate --demo` (`make run`): a configuration edit with the
+  file as its prediction, a configuration request under a JSON schema, and an open question;
+- `edits`: configuration edits, each with its file as the prediction (method `predict`).
 
 Example:
   >>> [p.task for p in read_prompts("demo")]
-  ['configuration request', 'open question']
+  ['configuration request', 'configuration as JSON', 'open question']
   >>> len(read_prompts("tasks", per_task=2, tasks=("qa", "rag")))
   4
 """
@@ -33,6 +35,8 @@ class Prompt:
     text: str
     task: str | None = None
     prediction: str | None = None  # the text its answer is expected to restate (`prediction`), if any
+    response_format: dict | None = None  # OpenAI's response_format its answer follows (json_schema), if any
+    regex: str | None = None  # a regular expression its whole answer matches, if any (the server's extension)
 
 
 def shipped(name: str) -> pathlib.Path:
@@ -60,7 +64,8 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
 
     JSON lines in the shape of Spec-Bench's question file (`question_id`, `task`, `turns`: the
     first turn is the prompt; `prediction`, optional: the text its answer is expected to restate,
-    for method predict), or plain text lines. Blank lines are skipped.
+    for method predict; `response_format` (OpenAI's) or `regex`, optional: a constraint its answer
+    follows), or plain text lines. Blank lines are skipped.
 
     Args:
       per_task: keep only the first N prompts of each task class.
@@ -85,13 +90,18 @@ def read_prompts(path: str | pathlib.Path, *, per_task: int | None = None,
                 raise ValueError("empty first turn")
             if not isinstance(obj.get("prediction", ""), str):
                 raise ValueError("prediction must be a string")
+            if not isinstance(obj.get("response_format", {}), dict):
+                raise ValueError('response_format must be an object, e.g. {"type": "json_schema", ...}')
+            if not isinstance(obj.get("regex", ""), str):
+                raise ValueError("regex must be a string")
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(
                 f"{path}:{lineno}: malformed prompt line ({type(e).__name__}: {e}); expected a JSON "
                 'object like {"question_id": 1, "task": "qa", "turns": ["..."]}'
             ) from e
         prompts.append(Prompt(id=obj.get("question_id", lineno), text=text, task=obj.get("task"),
-                              prediction=obj.get("prediction")))
+                              prediction=obj.get("prediction"), response_format=obj.get("response_format"),
+                              regex=obj.get("regex")))
     if tasks:
         prompts = [p for p in prompts if p.task in tasks]
     if per_task:

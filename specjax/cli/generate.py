@@ -28,13 +28,15 @@ def add_parser(sub) -> None:
                         "from it, and the output reports the prediction tokens the answer used")
     g.add_argument("--json-schema", metavar="FILE",
                    help="constrain every answer to compact JSON valid under the JSON schema in FILE, inside the "
-                        "decoding loop (--method forced drafts the text the schema fixes)")
+                        "decoding loop (--method forced, or auto with forced among --auto-methods, drafts the "
+                        "text the schema fixes)")
     g.add_argument("--regex", help="constrain every answer to match this regular expression, whole")
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.add_argument("--demo", action="store_true",
-                   help="the shipped demo prompts instead of --prompt: a configuration request (where "
-                        "speculation pays) and an open question (where auto falls back to plain)")
+                   help="the shipped demo prompts instead of --prompt: a configuration edit with the file as its "
+                        "prediction (where prediction and prompt lookup pay), a configuration request under a JSON "
+                        "schema (where forced text pays) and an open question (where auto falls back to plain)")
     g.add_argument("--repeats", type=int, default=None,
                    help="auto: runs of auto and of plain, in turns, behind the speedup's spread (default 3)")
     g.add_argument("--auto-methods", default=None,
@@ -58,13 +60,9 @@ def _check(args: argparse.Namespace):
         specs.check_given(args, [args.method], how=specs.NEEDS_FLAG)
     if args.method != "auto" and (args.repeats is not None or args.auto_methods is not None):
         raise ValueError("--repeats and --auto-methods are for --method auto")
-    if args.json_schema is not None or args.regex is not None:
-        if args.json_schema is not None and args.regex is not None:
-            raise ValueError("--json-schema and --regex given together: give one constraint")
-        if args.method == "auto":
-            raise ValueError("--json-schema / --regex do not run with --method auto yet: give a method "
-                             "(forced drafts the schema's fixed text) or none")
-        _response_format(args)  # the file is read and parsed before the model loads
+    if args.json_schema is not None and args.regex is not None:
+        raise ValueError("--json-schema and --regex given together: give one constraint")
+    _response_format(args)  # the file is read and parsed before the model loads
     return opts
 
 
@@ -86,16 +84,21 @@ def _response_format(args: argparse.Namespace) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     opts = _check(args)
-    prompts = _with_prediction(args, flags.prompts_of(args, tuple(read_prompts(DEMO))))
+    prompts = _with_flags(args, flags.prompts_of(args, tuple(read_prompts(DEMO))))
+    b = min(args.batch_size, len(prompts))
+    for i in range(0, len(prompts), b):  # a batch outside auto runs one constraint (a pool of one)
+        if len({_constraint_key(p) for p in prompts[i:i + b]}) > 1:
+            raise ValueError(f"prompts {', '.join(str(p.id) for p in prompts[i:i + b])} share a batch but not a "
+                             "constraint (response_format / regex): give --batch-size 1, or --method auto")
     if args.method == "auto":
         return run_auto(args, opts, prompts)
     engine = specs.engine_for(args, [args.method] if args.method != "none" else [])
     spec = specs.spec_of(args, args.method, strict=True, engine=engine)
     texts = [p.text for p in prompts]
-    b = engine.rows_for(min(args.batch_size, len(prompts)))
+    b = engine.rows_for(b)
     engine.check(texts, opts, chat=args.chat)  # all prompts, before anything compiles
-    constraint = engine.constraint_for(response_format=_response_format(args), regex=args.regex)
     for i in range(0, len(texts), b):
+        constraint = engine.constraint_for(response_format=prompts[i].response_format, regex=prompts[i].regex)
         batch = engine.start(texts[i:i + b], opts, chat=args.chat, batch_size=b, spec=spec, row_offset=i,
                              prediction=[p.prediction for p in prompts[i:i + b]], constraint=constraint)
         if args.json:
@@ -109,15 +112,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_prediction(args, prompts: list[Prompt]) -> list[Prompt]:
-    """The prompts with `--prediction FILE`'s text as every prompt's prediction (as given otherwise)."""
-    if args.prediction is None:
-        return prompts
-    path = pathlib.Path(args.prediction)
-    if not path.is_file():
-        raise ValueError(f"--prediction {args.prediction!r}: no such file (give the file the answer should restate)")
-    text = path.read_text(encoding="utf-8")
-    return [dataclasses.replace(p, prediction=text) for p in prompts]
+def _with_flags(args, prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts with `--prediction FILE`'s text as every prompt's prediction, and `--json-schema` /
+    `--regex` as every prompt's constraint (each as the prompt gives it otherwise)."""
+    if args.prediction is not None:
+        path = pathlib.Path(args.prediction)
+        if not path.is_file():
+            raise ValueError(f"--prediction {args.prediction!r}: no such file (give the file the answer should restate)")
+        text = path.read_text(encoding="utf-8")
+        prompts = [dataclasses.replace(p, prediction=text) for p in prompts]
+    if args.json_schema is not None or args.regex is not None:
+        prompts = [dataclasses.replace(p, response_format=_response_format(args), regex=args.regex) for p in prompts]
+    return prompts
+
+
+def _constraint_key(p: Prompt) -> str:
+    return json.dumps([p.response_format, p.regex], sort_keys=True)
 
 
 def _stream(engine, batch) -> None:

@@ -102,7 +102,7 @@ def load_assets(engine, args, methods) -> None:
 def auto_methods() -> tuple[str, ...]:
     """What auto may choose: prompt lookup, and the methods whose loaded assets give it options."""
     return tuple(m for m, r in RECORDS.items()
-                 if registry.looks_up(m) or r.auto is not None or m == registry.PREDICT)
+                 if registry.looks_up(m) or r.auto is not None or r.on_request)
 
 
 def chosen_auto_methods(text: str | None) -> tuple[str, ...] | None:
@@ -138,6 +138,7 @@ def auto_controller(engine, chosen: tuple[str, ...] | None, **settings):
     from specjax.serving.controller import ControllerConfig
 
     ccfg = ControllerConfig(**settings).with_assets(engine.assets)
-    if chosen is not None:  # predicted outputs only when chosen: its options cost programs, and pay with a prediction
-        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in (*ccfg.methods, registry.PREDICT) if m in chosen))
+    if chosen is not None:  # methods that pay with what a request brings only when chosen: their options cost programs
+        asked = tuple(m for m, r in RECORDS.items() if r.on_request)
+        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in dict.fromkeys((*ccfg.methods, *asked)) if m in chosen))
     return ccfg

@@ -18,9 +18,11 @@ draw corrections from the masked target distribution. Nothing is rolled back: an
 function of the committed prefix.
 
 Stop tokens end an answer, so a row's stop ids are allowed exactly in accepting states. A position
-whose state is -1 (after a draft the automaton refuses: never on a kept path) allows every token, so
-no row is ever all `NEG_INF`. A row whose committed token leaves the automaton (possible only when a
-state allows nothing, which the compiler prunes) is done.
+whose state is -1 (after a draft the automaton refuses: never on a kept path) allows every token, and
+a dead state (not accepting and allowing no token: the compiler prunes them, hand-built tables may
+hold one) allows the row's stop ids, so no row is ever all `NEG_INF`: such an answer ends at a stop
+token in a state that does not accept it, and the host reports it (`telemetry.StopReason.
+CONSTRAINT_UNMET`, `met`).
 """
 
 from __future__ import annotations
@@ -177,7 +179,26 @@ def allowed(pool: Pool, slot: Int[Array, "B"], states: Int[Array, "B W"], stop_i
         True, mode="drop")
     accepting = pool.accepting[g, jnp.maximum(states, 0)]  # [B, W]
     ok = jnp.where(stops[:, None, :], accepting[..., None], ok)
+    # a dead state (live, but nothing allowed: a constraint the vocabulary cannot finish) ends the
+    # answer: its stop ids (every token for a row without one) instead of an all-NEG_INF row
+    dead = ~ok.any(axis=-1, keepdims=True) & (states >= 0)[..., None]  # [B, W, 1]
+    ends = stops | ~stops.any(axis=-1, keepdims=True)  # [B, V]
+    ok = jnp.where(dead, ends[:, None, :], ok)
     return ok | (states < 0)[..., None]
+
+
+def met(tables, tokens: list[int], stop_ids) -> bool:
+    """Whether an answer `tokens` (its stop token last, if it ended at one) walks the host tables
+    `tables` (`specjax.constrain.TokenTables`, or any with `token_class`, `next_state`, `accepting`;
+    start state 0) to an accepting state. False for an answer that ended in a dead state."""
+    stops = {int(t) for t in stop_ids if t >= 0}
+    body = tokens[:-1] if tokens and tokens[-1] in stops else tokens
+    state, v = 0, len(tables.token_class)
+    for t in body:
+        if state < 0 or not 0 <= t < v:
+            return False
+        state = int(tables.next_state[state, tables.token_class[t]])
+    return state >= 0 and bool(tables.accepting[state])
 
 
 def mask(pool: Pool, slot: Int[Array, "B"], states: Int[Array, "B W"], stop_ids: Int[Array, "B E"],

@@ -120,6 +120,8 @@ class Record:
       replay: `(spec, tokens) -> lookup`, the method replayed on the host over a row's tokens
         (`specjax.methods.ngram.proposer.HostLookup`, advanced by `ngram.proposer.replay`): the auto
         scheduler learns what it would have kept while other options run; None: no replay.
+      on_request: the method drafts from what a request brings (a prediction, a constraint) and
+        pays only with it: auto runs it when it is chosen by name (`--auto-methods`), never by default.
     """
 
     name: str
@@ -140,6 +142,7 @@ class Record:
     modules: Callable[[Any], tuple] | None = None
     serving: Callable[[Any, int | None], Any] | None = None
     replay: Callable[[Any, Any], Any] | None = None
+    on_request: bool = False
 
 
 def shipped_or(path: str, record: Record, model: str, missing: str, train: str) -> str | pathlib.Path:

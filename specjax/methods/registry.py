@@ -32,7 +32,6 @@ from specjax.methods.recycle.record import RECORD as RECYCLE_RECORD
 RECORDS: dict[str, Record] = {r.name: r for r in (NGRAM_RECORD, PREDICT_RECORD, FORCED_RECORD, DRAFT_RECORD,
                                                   MEDUSA_RECORD, EAGLE_RECORD, RECYCLE_RECORD)}
 MEDUSA, EAGLE = MEDUSA_RECORD.name, EAGLE_RECORD.name  # the heads `specjax train-heads` trains
-PREDICT = PREDICT_RECORD.name  # what auto may add when a request brings a prediction (cli.specs)
 
 
 def register(record: Record) -> None:

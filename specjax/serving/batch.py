@@ -15,6 +15,7 @@ import numpy as np
 from specjax import sharding, telemetry
 from specjax.core import decoder as core
 from specjax.core import sampling
+from specjax.core.constraint import met as constraint_met
 from specjax.core.decoder import MAX_STOP_IDS, RUN_TO_END, Decoder, Inputs, State, decode_program, new_tokens, prefill_program
 from specjax.core.sampling import Sampling
 from specjax.methods.predict.usage import prediction_usage
@@ -125,11 +126,13 @@ class Batch:
     prefill, then decode to the end or in streaming chunks."""
 
     def __init__(self, engine: Any, decoder: Decoder, pparams, inputs: Inputs, *, n_real: int,
-                 method: str = "none", predictions: Sequence | None = None, parts: dict | None = None):
+                 method: str = "none", predictions: Sequence | None = None, parts: dict | None = None,
+                 constraint: Any = None):
         self.engine, self.decoder, self.pparams, self.inputs = engine, decoder, pparams, inputs
         self.n_real, self.method = n_real, method
         self.predictions = predictions  # each row's prediction ids (None: none), for the usage counts
         self.parts = parts  # the batch-shared state the prefill starts from (a constraint pool), or None
+        self.constraint = constraint  # the host tables every row's answer follows, or None
         self.compile_s = 0.0
         self._prefill = self._compile(prefill_program, pparams, inputs, parts)
         abstract = jax.eval_shape(lambda *a: prefill_program(*a, static=decoder),
@@ -208,7 +211,8 @@ class Batch:
         k = self.decoder.depth
         return [Result(tokens=toks, text=tok.decode(toks, skip_special=True) if tok else "",
                        target_forwards=int(fwd[r]), ttft_s=self.ttft_s, wall_s=self.ttft_s + self.decode_s,
-                       compile_s=self.compile_s, stop_reason=telemetry.stop_reason(toks, stops[r], max_new[r]),
+                       compile_s=self.compile_s, stop_reason=telemetry.stop_reason(
+                           toks, stops[r], max_new[r], met=self.constraint is None or constraint_met(self.constraint, toks, stops[r])),
                        method=self.method, k=k, counters=SpecCounters.from_stats(stats, r),
                        prediction=self._prediction_usage(r, toks))
                 for r, toks in enumerate(self.new_tokens())]

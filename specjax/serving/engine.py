@@ -307,7 +307,7 @@ class Engine:
         pparams = sharding.place_pparams(pparams, self.mesh)
         parts = core.constraint_parts(dec, () if constraint is None else (constraint,), inputs)
         return Batch(self, dec, pparams, inputs, n_real=len(ids), method=spec.method, predictions=predicted,
-                     parts=parts)
+                     parts=parts, constraint=constraint)
 
     def constraint_for(self, *, response_format: dict | None = None, regex: str | None = None,
                        choice: Sequence[str] | None = None) -> constrain.TokenTables | None:

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import memory, sharding, telemetry
+from specjax.core.constraint import met as constraint_met
 from specjax.core.decoder import cache_length, check_max_new_tokens
 from specjax.methods.config import SpecConfig
 from specjax.serving import controller as policy
@@ -626,7 +627,8 @@ class Scheduler:
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)
-        req.stop_reason = telemetry.stop_reason(req.tokens, stops, req.max_new_tokens)
+        req.stop_reason = telemetry.stop_reason(req.tokens, stops, req.max_new_tokens, met=req.constraint is None or
+                                                constraint_met(req.constraint, req.tokens, stops))
         req.status, req.finished_s, req.target_forwards = Status.FINISHED, t, forwards
         self.slots[req.slot] = None
         self.live.pop(req.id, None)

@@ -9,4 +9,4 @@ from specjax.methods.method import NGRAM_FLAGS, Record
 
 METHOD = "forced"
 
-RECORD = Record(METHOD, ForcedProposer.from_spec, option_type=ForcedOptions, flags=NGRAM_FLAGS)
+RECORD = Record(METHOD, ForcedProposer.from_spec, option_type=ForcedOptions, flags=NGRAM_FLAGS, on_request=True)

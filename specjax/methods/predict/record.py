@@ -7,6 +7,6 @@ from specjax.methods.method import NGRAM_FLAGS, Flag, Record
 from specjax.methods.predict.options import METHOD, PredictOptions
 from specjax.methods.predict.proposer import PredictProposer
 
-RECORD = Record(METHOD, PredictProposer.from_spec, option_type=PredictOptions, flags=NGRAM_FLAGS + (
+RECORD = Record(METHOD, PredictProposer.from_spec, option_type=PredictOptions, on_request=True, flags=NGRAM_FLAGS + (
     Flag("--prediction-cap", "prediction_cap", int,
          "predict: tokens of a row's prediction buffer; a longer prediction is refused (default 1024)", min=1),))

@@ -27,7 +27,8 @@ from specjax.serving.scheduler import Request, Scheduler, Status
 log = logging.getLogger("specjax.serving.server")
 
 # the scheduler's stop reasons, as OpenAI's finish_reason
-FINISH = {"stop_token": "stop", "max_new_tokens": "length", "cache_full": "length"}
+FINISH = {"stop_token": "stop", "max_new_tokens": "length", "cache_full": "length",
+          "constraint_unmet": "constraint_unmet"}  # a constrained answer ended in a dead state
 
 # An idle engine that receives a request keeps taking the requests that follow it within ADMIT_GAP_S
 # of each other (at most ADMIT_WINDOW_S in all, while slots are free) before its first chunk, so a

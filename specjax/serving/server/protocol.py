@@ -31,7 +31,8 @@ loop, before the request is queued; a malformed one, two at once, or one larger 
 automaton states or token classes) is a 400 naming the field, with the fix. Every position the model
 samples or verifies is masked by the constraint's automaton, speculation included; the answer ends at
 the model's stop token once complete (finish_reason "stop"), or at max_tokens ("length": cut short,
-not valid yet).
+not valid yet); a constraint the vocabulary cannot finish (a dead automaton state, which the compiler
+prunes) ends at the stop token with finish_reason "constraint_unmet".
 
 `prediction` ({"type": "content", "content": text or text parts}, OpenAI's Predicted Outputs) is the
 text the answer is expected to restate: a `predict` option drafts from it, and `usage` reports
