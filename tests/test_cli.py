@@ -359,3 +359,16 @@ def test_recycle_commands_refuse_bad_flags_before_any_work(argv, match, monkeypa
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err, err
+
+
+def test_auto_methods_cut_every_option_to_the_chosen(tiny_model):
+    """`--auto-methods` is what auto may run: a method with options shipped for the model (token
+    recycling's warm start for SmolLM2) adds none unless chosen; predict and forced only when chosen."""
+    from specjax.serving.engine import Engine
+
+    eng = Engine(tiny_model, name="smollm2-135m")
+    every = specs.auto_controller(eng, None)
+    assert {o.method for o in every.extra} == {"recycle"} and set(every.methods) == {"ngram"}
+    cut = specs.auto_controller(eng, ("ngram", "forced"))
+    assert cut.extra == () and cut.methods == ("ngram", "forced")
+    assert specs.auto_controller(eng, ("recycle",)).extra == every.extra

@@ -162,7 +162,7 @@ speculative = [m for m in methods if m != "none"]
 """rows = []
 for p in prompts:
     for m, spec in methods.items():
-        r = eng.generate([p.text], chat=chat, max_new_tokens=48, spec=spec)[0]
+        r = eng.generate([p.text], chat=chat, max_new_tokens=32, spec=spec)[0]
         rows.append(dict(task=p.task, method=m, tau=r.tau, counters=r.counters, tokens=r.tokens))
 base = {r["task"]: r["tokens"] for r in rows if r["method"] == "none"}
 assert all(r["tokens"] == base[r["task"]] for r in rows)  # greedy: every method is exact

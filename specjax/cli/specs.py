@@ -131,8 +131,8 @@ def auto_assets(args, chosen: tuple[str, ...] | None) -> Callable:
 
 
 def auto_controller(engine, chosen: tuple[str, ...] | None, **settings):
-    """Auto's `ControllerConfig` over the loaded assets (`ControllerConfig.with_assets`): its lookup
-    methods cut to the `chosen` ones when given."""
+    """Auto's `ControllerConfig` over the loaded assets (`ControllerConfig.with_assets`): its methods
+    and options cut to the `chosen` ones when given."""
     import dataclasses
 
     from specjax.serving.controller import ControllerConfig
@@ -140,5 +140,6 @@ def auto_controller(engine, chosen: tuple[str, ...] | None, **settings):
     ccfg = ControllerConfig(**settings).with_assets(engine.assets)
     if chosen is not None:  # methods that pay with what a request brings only when chosen: their options cost programs
         asked = tuple(m for m, r in RECORDS.items() if r.on_request)
-        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in dict.fromkeys((*ccfg.methods, *asked)) if m in chosen))
+        ccfg = dataclasses.replace(ccfg, methods=tuple(m for m in dict.fromkeys((*ccfg.methods, *asked)) if m in chosen),
+                                   extra=tuple(o for o in ccfg.extra if o.method in chosen))  # a shipped warm start too
     return ccfg

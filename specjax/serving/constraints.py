@@ -48,7 +48,7 @@ class ConstraintLimits:
     forced: int = PoolSpec.forced
 
     def __post_init__(self):
-        for f in ("states", "classes", "forced"):
+        for f in (x.name for x in dataclasses.fields(self)):
             v = getattr(self, f)
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"constraint pool {f}={v}: must be an integer >= 1 (no pool: constraint_pool=None)")
