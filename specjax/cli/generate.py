@@ -122,7 +122,8 @@ def _with_flags(args, prompts: list[Prompt]) -> list[Prompt]:
         text = path.read_text(encoding="utf-8")
         prompts = [dataclasses.replace(p, prediction=text) for p in prompts]
     if args.json_schema is not None or args.regex is not None:
-        prompts = [dataclasses.replace(p, response_format=_response_format(args), regex=args.regex) for p in prompts]
+        fmt = _response_format(args)  # the file read once
+        prompts = [dataclasses.replace(p, response_format=fmt, regex=args.regex) for p in prompts]
     return prompts
 
 
