@@ -26,68 +26,95 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned loads
+// The vector and the register tile by ISA. AVX-512 (32 zmm): 16 lanes, 3 rows of x by 8 weight rows
+// (24 accumulators + 3 x + 1 w). AVX/AVX2 (16 ymm): 8 lanes, 3 by 4 (12 + 3 + 1): the AVX-512 tile
+// there would be 48 ymm accumulators, spilled on every step (measured 3-5x slower per row on Zen 2).
+// Elsewhere (NEON's 32 q registers, or no SIMD) the 16-lane tile, which GCC splits.
+#if defined(__x86_64__) && defined(__AVX__) && !defined(__AVX512F__)
+#define SPECJAX_VW8 1
+constexpr int VW = 8;      // floats per vector
+constexpr int NB = 4;      // weight rows per block
+#else
+#define SPECJAX_VW8 0
+constexpr int VW = 16;
+constexpr int NB = 8;      // eight sequential streams keep the memory busy
+#endif
+constexpr int MT_MAX = 3;  // rows of x per register tile
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+typedef float vf __attribute__((vector_size(VW * 4)));  // one vector: VW floats
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // for unaligned loads
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 
 // Keeps a loaded weight vector in a register: without it GCC folds the load into each of the MT
 // FMAs that use it (a memory operand per FMA), and the tile is bound by L1 loads at half its FLOPs
 // (measured 2x slower at 4-16 rows on Zen 4).
-inline void pin(v16& v) {
+inline void pin(vf& v) {
 #if defined(__x86_64__) && defined(__AVX512F__)
   asm("" : "+v"(v));
+#elif defined(__x86_64__) && defined(__AVX__)
+  asm("" : "+x"(v));
 #else
   (void)v;
 #endif
 }
 
-constexpr int NB = 8;  // weight rows per block: eight sequential streams keep the memory busy
-constexpr int MT_MAX = 3;  // rows of x per register tile: 3 x 8 = 24 accumulators, + 3 x + 1 w of 32
-
-// The sums of 8 accumulators, in order, into out[0..7]: a shuffle tree (8 vector adds) instead of
-// 8 horizontal sums of 16 lanes each (a chain of 15 scalar adds apiece, which cost as much as the
-// products themselves for K = 576).
-inline void reduce8(const v16* a, float* out) {
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  v16 b[4];
+// The sums of NB accumulators, in order, into out[0..NB-1]: a shuffle tree (NB vector adds) instead
+// of NB horizontal sums of VW lanes each (a chain of VW - 1 scalar adds apiece, which cost as much as
+// the products themselves for K = 576).
+inline void reduce_nb(const vf* a, float* out) {
+#if SPECJAX_VW8 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+  // [a0 | a1] and [a2 | a3], 4 partials each; then [a0, a2, a1, a3] x 2; then pairs
+  vf b0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  vf b1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2], a[3], 4, 5, 6, 7, 12, 13, 14, 15);
+  vf c = __builtin_shufflevector(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) +
+          __builtin_shufflevector(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15);
+  vf e = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6);
+  out[0] = e[0];
+  out[1] = e[4];
+  out[2] = e[2];
+  out[3] = e[6];
+#elif !SPECJAX_VW8 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+  vf b[4];
   for (int p = 0; p < 4; ++p)  // [a_2p: 8 partial sums | a_2p+1: 8]
     b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
                                    31);
-  v16 c[2];
+  vf c[2];
   for (int q = 0; q < 2; ++q)  // c0: [a0, a2, a1, a3] x 4 partials; c1: [a4, a6, a5, a7]
     c[q] = __builtin_shufflevector(b[2 * q], b[2 * q + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
            __builtin_shufflevector(b[2 * q], b[2 * q + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   // d: [a0, a4, a2, a6, a1, a5, a3, a7] x 2 partials
-  v16 d = __builtin_shufflevector(c[0], c[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+  vf d = __builtin_shufflevector(c[0], c[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
           __builtin_shufflevector(c[0], c[1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  v16 e = d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  vf e = d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   const int at[NB] = {0, 8, 4, 12, 2, 10, 6, 14};
   for (int j = 0; j < NB; ++j) out[j] = e[at[j]];
 #else
   for (int j = 0; j < NB; ++j) {
     float s = 0.f;
-    for (int i = 0; i < 16; ++i) s += a[j][i];
+    for (int i = 0; i < VW; ++i) s += a[j][i];
     out[j] = s;
   }
 #endif
 }
 
-// acc[i][j] (+)= x[m0 + i, k0:k1] . w[n0 + j, k0:k1] over whole 16-float steps, for MT rows of x;
+// acc[i][j] (+)= x[m0 + i, k0:k1] . w[n0 + j, k0:k1] over whole vectors, for MT rows of x;
 // `pf` (or null): the same offsets in the next block of weight rows, prefetched meanwhile
 template <int MT>
-inline void tile(const float* __restrict x, const float* __restrict w, v16* __restrict acc, int64_t K,
+inline void tile(const float* __restrict x, const float* __restrict w, vf* __restrict acc, int64_t K,
                  int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool first, const float* pf) {
-  v16 a[MT][NB];
+  vf a[MT][NB];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NB; ++j) a[i][j] = first ? (v16){} : acc[(m0 + i) * NB + j];
+    for (int j = 0; j < NB; ++j) a[i][j] = first ? (vf){} : acc[(m0 + i) * NB + j];
   const float* wr = w + n0 * K;
-  for (int64_t k = k0; k < k1; k += 16) {
-    v16 xv[MT];
+  for (int64_t k = k0; k < k1; k += VW) {
+    vf xv[MT];
     for (int i = 0; i < MT; ++i) xv[i] = load(x + (m0 + i) * K + k);
     for (int j = 0; j < NB; ++j) {
-      v16 wv = load(wr + j * K + k);
+      vf wv = load(wr + j * K + k);
       pin(wv);
       if (pf) __builtin_prefetch(pf + j * K + k, 0, 3);
       for (int i = 0; i < MT; ++i) a[i][j] += xv[i] * wv;
@@ -101,9 +128,9 @@ inline void tile(const float* __restrict x, const float* __restrict w, v16* __re
 // stay in L1), and within a chunk the rows of x in balanced tiles of at most MT_MAX, so each weight
 // chunk is read from memory once (by the first tile, which also prefetches the next block's) and
 // from L1 by the others.
-void block(const float* x, const float* w, float* y, v16* acc, int64_t M, int64_t K, int64_t N, int64_t n0,
+void block(const float* x, const float* w, float* y, vf* acc, int64_t M, int64_t K, int64_t N, int64_t n0,
            int64_t kc) {
-  const int64_t K16 = K & ~int64_t(15);
+  const int64_t K16 = K & ~int64_t(VW - 1);
   const int64_t tiles = (M + MT_MAX - 1) / MT_MAX;
   const float* next = n0 + 2 * NB <= N ? w + (n0 + NB) * K : nullptr;
   for (int64_t k0 = 0; k0 < K16 || k0 == 0; k0 += kc) {
@@ -121,7 +148,7 @@ void block(const float* x, const float* w, float* y, v16* acc, int64_t M, int64_
   }
   for (int64_t m = 0; m < M; ++m) {
     float s[NB];
-    reduce8(acc + m * NB, s);
+    reduce_nb(acc + m * NB, s);
     for (int j = 0; j < NB; ++j) {
       for (int64_t k = K16; k < K; ++k) s[j] += x[m * K + k] * w[(n0 + j) * K + k];
       y[m * N + n0 + j] = s[j];
@@ -132,18 +159,18 @@ void block(const float* x, const float* w, float* y, v16* acc, int64_t M, int64_
 // weight rows [n0, n1): blocks of NB, then the last few one at a time
 void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t n0, int64_t n1) {
-  std::unique_ptr<v16[]> acc(new v16[M * NB]);
-  const int64_t K16 = K & ~int64_t(15);
+  std::unique_ptr<vf[]> acc(new vf[M * NB]);
+  const int64_t K16 = K & ~int64_t(VW - 1);
   const int64_t chunks = std::max<int64_t>(1, (K16 + 639) / 640);
-  const int64_t kc = std::max<int64_t>(16, (K16 / 16 + chunks - 1) / chunks * 16);
+  const int64_t kc = std::max<int64_t>(VW, (K16 / VW + chunks - 1) / chunks * VW);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) block(x, w, y, acc.get(), M, K, N, n, kc);
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
-      v16 a = (v16){};
-      for (int64_t k = 0; k < K16; k += 16) a += load(x + m * K + k) * load(w + n * K + k);
+      vf a = (vf){};
+      for (int64_t k = 0; k < K16; k += VW) a += load(x + m * K + k) * load(w + n * K + k);
       float s = 0.f;
-      for (int i = 0; i < 16; ++i) s += a[i];
+      for (int i = 0; i < VW; ++i) s += a[i];
       for (int64_t k = K16; k < K; ++k) s += x[m * K + k] * w[n * K + k];
       y[m * N + n] = s;
     }

@@ -22,7 +22,8 @@ Both give the reference `x @ w` to fp32 rounding (tests/test_linear.py).
 A GGUF weight loaded packed (`quant.PackedWeight`, `load(..., weights="packed")`) goes to a second
 kernel, `specjax_qdense_nk` (qdense_nk.cc, built after dense_nk.cc in one library), for 1 to
 `KERNEL_MAX_ROWS` rows: it rebuilds the weights exactly as gguf does (AVX-512: 16 at a time, in registers
-for up to 3 rows, else once per block of weight rows into a small fp32 scratch) and multiplies them in
+for up to 3 rows, else once per block of weight rows into a small fp32 scratch; AVX2 and others: a
+block at a time into the scratch) and multiplies them in
 dense_nk's tiles, so its product is dense_nk's on the dequantized weight bit for bit, and a row is the
 same alone as in a window (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph
 and multiplied as above.
@@ -355,9 +356,10 @@ def build_packed(force: bool = False) -> pathlib.Path:
 
 
 def register_packed_variant(target: str, flags: tuple[str, ...] = ()) -> str:
-    """Builds qdense_nk.cc with more compiler `flags` (e.g. `-mno-avx512f`: the portable scalar
-    dequantization) and registers its handler as FFI target `target`, for `qdense_nk_kernel(...,
-    target=target)` (tests and A/B timings)."""
+    """Builds qdense_nk.cc with more compiler `flags` (e.g. `-mno-avx512f`: the 8-lane AVX2 tile and
+    the scalar dequantization) and registers its handler as FFI target `target`, for
+    `qdense_nk_kernel(..., target=target)` (tests and A/B timings); the same library's dense_nk
+    handler as `target + "_dense"`, for `kernel_target`."""
     import ctypes
 
     source = _SOURCE.read_bytes() + b"\n" + _QSOURCE.read_bytes()
@@ -365,6 +367,7 @@ def register_packed_variant(target: str, flags: tuple[str, ...] = ()) -> str:
     out = _compile(source, _cache_dir() / f"{target}-{tag}.so", flags=(*flags, f"-D{_QSYMBOL}={target}"))
     lib = ctypes.cdll.LoadLibrary(str(out))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    jax.ffi.register_ffi_target(target + "_dense", jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
     return target
 
 

@@ -213,28 +213,29 @@ def test_kernel_product_is_dense_nk_on_the_dequantized_weight(packed_kernel, qty
             np.testing.assert_array_equal(_bits(alone[0]), _bits(got[r]))
 
 
-def _has_avx512() -> bool:
-    try:
-        return "avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx512(), reason="needs an AVX-512 CPU to compare its two builds")
-def test_portable_build_equals_the_avx512_build(packed_kernel):
-    """Built without AVX-512 (scalar dequantization, scratch path for every row count), the kernel gives
-    the AVX-512 build's bits (its fused 1-3-row path and its vector scratch path)."""
-    target = linear.register_packed_variant("specjax_qdense_nk_portable", ("-mno-avx512f",))
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx",)], ids=["avx2", "no-avx"])
+def test_other_isa_builds_equal_their_dense_kernel(packed_kernel, flags):
+    """Built for a smaller ISA (without AVX-512: the 8-lane tile and the scalar dequantization, scratch
+    path for every row count; without AVX: the 16-lane tile split by the compiler), the packed kernel
+    still gives its own build's dense_nk on the dequantized weight bit for bit, at every row count, and
+    a row the same alone as in a window."""
+    target = linear.register_packed_variant("specjax_qdense_nk_" + flags[0][5:].replace("-", "_"), flags)
     rng = np.random.default_rng(11)
     for qtype in quant.PACKED_TYPES:
         block = quant.BLOCKS[qtype][0]
         n, k = 19, 3 * block
         raw = jnp.asarray(_random_blocks(qtype, n, k, seed=5))
+        w = quant.dequantize(raw, qtype, (n, k))
         for m in (1, 3, 4, 9):
             x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
-            a = linear.qdense_nk_kernel(x, raw, qtype, (n, k))
-            b = linear.qdense_nk_kernel(x, raw, qtype, (n, k), target=target)
-            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{qtype}, {m} rows")
+            got = linear.qdense_nk_kernel(x, raw, qtype, (n, k), target=target)
+            with linear.kernel_target(target + "_dense", multi=True):
+                ref = linear.dense_nk_kernel(x, w)
+            np.testing.assert_array_equal(_bits(got), _bits(ref), err_msg=f"{qtype}, {m} rows")
+            alone = linear.qdense_nk_kernel(x[m - 1:], raw, qtype, (n, k), target=target)
+            np.testing.assert_array_equal(_bits(alone[0]), _bits(got[m - 1]), err_msg=f"{qtype}, {m} rows")
+            np.testing.assert_allclose(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T,
+                                       rtol=1e-4, atol=1e-4 * float(np.abs(np.asarray(got)).max()))
 
 
 def test_kernel_refuses_mismatched_blocks(packed_kernel):
