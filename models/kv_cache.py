@@ -199,6 +199,16 @@ class Access:
         committed = slots < self.start[:, None, None]
         return committed & self._near(slots) if kind == AttnKind.LOCAL else committed
 
+    def cache_bounds(self, kind: AttnKind) -> tuple[Int[Array, "B T"], Int[Array, "B"]]:
+        """`cache_mask` of a full buffer as slot bounds, `lo[b, t] <= slot < hi[b]`: the committed
+        context, from the sliding window's first position for a local layer (the CPU attention
+        kernel's form, `specjax.models.cpu_attention`). Not for a ring or a `context` mask."""
+        if kind == AttnKind.LOCAL:
+            lo = jnp.maximum(self.positions - self.sliding_window + 1, 0)
+        else:
+            lo = jnp.zeros_like(self.positions)
+        return lo.astype(jnp.int32), self.start.astype(jnp.int32)
+
     def new_mask(self, kind: AttnKind) -> Bool[Array, "B T T"]:
         """Which of this forward's new tokens each query sees."""
         if kind == AttnKind.GLOBAL:

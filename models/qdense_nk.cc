@@ -450,6 +450,68 @@ void deq_rows(const float* x, const uint8_t* w, float* y, vf* acc, float* scratc
   for (; n < n1; ++n) single_row(x, w + n * rb, y, scratch, deq, M, K, N, n, nb);
 }
 
+#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+// Weights 8h .. 8h + 7 of the block at p (Q4_0, Q4_1, Q8_0), as `Deq8Range` rebuilds them; v0, v1: the
+// block's nibble bytes 0-7 and 8-15 zero-extended (4-bit types), d and m its scale and minimum.
+template <int T>
+inline __m256 deq8(const uint8_t* p, int h, __m256i v0, __m256i v1, __m256 d, __m256 m) {
+  if (T == Q8_0) {  // float(q) * d
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * h)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+  }
+  const __m256i v = (h & 1) ? v1 : v0;  // weights 0-15: low nibbles; 16-31: high ones
+  const __m256i q = h < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(v, 4);
+  if (T == Q4_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+  __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));  // Q4_1: d * q + m, two roundings
+  keep8(a);
+  return _mm256_add_ps(a, m);
+}
+
+// The fused path, for M <= MT_MAX rows (plain decoding and small windows): weight rows [n, n + NB)
+// rebuilt 8 weights at a time in registers and multiplied at once, without the scratch's store and
+// reload. Each accumulator gets the same products in the same order as in the scratch path (k
+// ascending, 8 at a time): the same bits.
+template <int T, int MT>
+void fused8_rows(const float* __restrict x, const uint8_t* __restrict w, float* __restrict y, int64_t K, int64_t N,
+                 int64_t n, int64_t rb) {
+  vf a[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) a[i][j] = (vf){};
+  const uint8_t* wr = w + n * rb;
+  constexpr int bb = T == Q8_0 ? 34 : T == Q4_1 ? 20 : 18;
+  for (int64_t g = 0; g < K / 32; ++g) {
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = wr + j * rb + g * bb;
+      const __m256 d = _mm256_set1_ps(f16(p));
+      const __m256 m = T == Q4_1 ? _mm256_set1_ps(f16(p + 2)) : d;
+      const uint8_t* qs = p + (T == Q4_1 ? 4 : 2);
+      const __m256i v0 = T == Q8_0 ? _mm256_setzero_si256() : bytes8(qs);
+      const __m256i v1 = T == Q8_0 ? _mm256_setzero_si256() : bytes8(qs + 8);
+      for (int h = 0; h < 4; ++h) {
+        vf wv = (vf)deq8<T>(p, h, v0, v1, d, m);
+        pin(wv);
+        for (int i = 0; i < MT; ++i) a[i][j] += load(x + i * K + 32 * g + 8 * h) * wv;
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) reduce_nb(a[i], y + i * N + n);
+}
+
+// weight rows [n0, n1): the fused path for up to MT_MAX rows of x, else the scratch path
+template <int T>
+void typed8_rows(const float* x, const uint8_t* w, float* y, vf* acc, float* scratch, int64_t M, int64_t K,
+                 int64_t N, int64_t n0, int64_t n1, int64_t rb, int64_t nb, int64_t cb) {
+  if (M > MT_MAX) return deq_rows(x, w, y, acc, scratch, Deq8Range<T>{}, M, K, N, n0, n1, rb, nb, cb, 32);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    if (M == 1) fused8_rows<T, 1>(x, w, y, K, N, n, rb);
+    else if (M == 2) fused8_rows<T, 2>(x, w, y, K, N, n, rb);
+    else fused8_rows<T, 3>(x, w, y, K, N, n, rb);
+  }
+  for (; n < n1; ++n) single_row(x, w + n * rb, y, scratch, Deq8Range<T>{}, M, K, N, n, nb);
+}
+#endif
+
 // weight rows [n0, n1) of the packed weight. K is a multiple of 32, so there is no tail of k. Chunks
 // of whole blocks, at most ~640 weights (NB rows of a chunk: <= 20 KiB, in L1 with x).
 void qweight_rows(const float* x, const uint8_t* w, float* y, int32_t type, int64_t M, int64_t K, int64_t N,
@@ -472,9 +534,9 @@ void qweight_rows(const float* x, const uint8_t* w, float* y, int32_t type, int6
 #endif
 #if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
   switch (type) {
-    case Q4_0: return deq_rows(x, w, y, acc.get(), scratch, Deq8Range<Q4_0>{}, M, K, N, n0, n1, rb, nb, cb, bw);
-    case Q4_1: return deq_rows(x, w, y, acc.get(), scratch, Deq8Range<Q4_1>{}, M, K, N, n0, n1, rb, nb, cb, bw);
-    case Q8_0: return deq_rows(x, w, y, acc.get(), scratch, Deq8Range<Q8_0>{}, M, K, N, n0, n1, rb, nb, cb, bw);
+    case Q4_0: return typed8_rows<Q4_0>(x, w, y, acc.get(), scratch, M, K, N, n0, n1, rb, nb, cb);
+    case Q4_1: return typed8_rows<Q4_1>(x, w, y, acc.get(), scratch, M, K, N, n0, n1, rb, nb, cb);
+    case Q8_0: return typed8_rows<Q8_0>(x, w, y, acc.get(), scratch, M, K, N, n0, n1, rb, nb, cb);
   }
 #endif
   deq_rows(x, w, y, acc.get(), scratch, ScalarDeq{type}, M, K, N, n0, n1, rb, nb, cb, bw);

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sharding
-from specjax.models import linear
+from specjax.models import cpu_attention, linear
 from specjax.models.config import AttnKind, ModelConfig
 from specjax.models.kv_cache import Access
 from specjax.models.layers import params, rope
@@ -126,6 +126,11 @@ class Attention(nnx.Module):
         their keys and values; returns (output `[B, T, D]`, k_buf, v_buf)."""
         q, k, v = self.qkv(x, access.positions)
         ring = k_buf.shape[1] != access.length
+        if cpu_attention.applies(q, k_buf, ring=ring, context=access.context):  # writes, then reads
+            k_buf, v_buf = access.write(k_buf, k, ring), access.write(v_buf, v, ring)
+            lo, hi = access.cache_bounds(self.kind)
+            out = cpu_attention.attend(q, k_buf, v_buf, access.new_mask(self.kind), lo, hi, self.scale)
+            return self.output(out.astype(x.dtype)), k_buf, v_buf
         out = attend(q, (Keys(k_buf, v_buf, access.cache_mask(self.kind, ring)),
                          Keys(k, v, access.new_mask(self.kind))), self.scale)
         k_buf = sharding.constrain(access.write(k_buf, k, ring), _KV_AXES)

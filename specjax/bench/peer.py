@@ -68,7 +68,7 @@ def build(root: pathlib.Path | None = None, *, jobs: int | None = None, log=prin
     if not (src / "CMakeLists.txt").is_file():
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             log(f"[peer] pip download {name}=={version} (sdist) ...")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name, "-d", tmp,
                   f"{name}=={version}"])
             archive = next(pathlib.Path(tmp).glob("*.tar.gz"))
             with tarfile.open(archive) as tar:

@@ -1,0 +1,127 @@
+"""One attention layer's decode or verify window on the CPU, through a small C++ kernel (attend_nk.cc).
+
+XLA:CPU lowers the attention einsums over a `[B, S, Kv, H]` cache to dots that want the kv-head
+axis in front, so every layer of every step wrote a transposed copy of K and of V and copied the
+buffer again before updating it: at one token and a 640-slot cache, about 0.7 ms a layer around
+~20 us of arithmetic (docs/BENCHMARKS.md, "The step"). `specjax_attend` reads the buffers in place,
+after the forward's keys and values are written into them (so XLA needs no copy to keep a read
+ahead of its in-place write), and only the slots each query sees: the committed context, cut to a
+sliding window, and the window's own slots it sees. Its cost follows the context's length, not the
+buffer's.
+
+Used by `specjax.models.layers.attention.Attention` where it applies (`applies`): CPU, fp32, no mesh
+in context, a full buffer (not a sliding-window ring), no scratch-context mask, up to `MAX_WINDOW`
+queries a row. Elsewhere, and when it cannot be built or `SPECJAX_DENSE_KERNEL=0`, attention is
+XLA's (`attention.attend`); both give the same softmax attention to fp32 rounding
+(tests/test_attention_kernel.py). A query's keys are taken in one order, cache slots then new
+tokens, so a row computes the same alone as inside a verify window. Gradients go through the XLA
+formulation. Built with the machine's compiler on first use and cached beside the dense kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax.models import linear
+
+MAX_WINDOW = 64  # query tokens per row; prefill buckets (64+) stay with XLA's dots
+_SOURCE = pathlib.Path(__file__).with_name("attend_nk.cc")
+_SYMBOL = "specjax_attend"
+
+
+def build(force: bool = False) -> pathlib.Path:
+    """Compiles attend_nk.cc for this machine (cached); returns the shared library's path."""
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha256(source + linear._machine_tag().encode()).hexdigest()[:16]
+    return linear._compile(source, linear._cache_dir() / f"attend_nk-{tag}.so", force=force, target=_SYMBOL)
+
+
+@functools.cache
+def _register() -> bool:
+    return linear._load_kernel(_SYMBOL, build, "attend", "using XLA's attention")
+
+
+def available() -> bool:
+    """Whether `specjax_attend` is built and registered (builds it on the first call)."""
+    return not linear._disabled() and _register()
+
+
+def status() -> str:
+    """Why the attention kernel is or is not in use, in words."""
+    available()
+    return "disabled by SPECJAX_DENSE_KERNEL=0" if linear._disabled() else linear._STATUS.get("attend", "not built")
+
+
+def applies(q: Float[Array, "B T Kv G H"], k_buf: Float[Array, "B S Kv H"], *, ring: bool, context) -> bool:
+    """Whether a layer's attention goes to the kernel (see the module docstring)."""
+    if ring or context is not None or not 1 <= q.shape[1] <= MAX_WINDOW:
+        return False
+    if q.dtype != jnp.float32 or k_buf.dtype != jnp.float32:
+        return False
+    from specjax import sharding  # a mesh partitions XLA's attention; a custom call it could only gather
+
+    return jax.default_backend() == "cpu" and not sharding.active() and available()
+
+
+def seen(k_buf: Float[Array, "B S Kv H"], new_mask: Bool[Array, "B T T"], lo: Int[Array, "B T"],
+         hi: Int[Array, "B"]) -> Bool[Array, "B T S"]:
+    """The slots each query sees, as a mask: `lo[b, t] <= slot < hi[b]`, and window slot `hi[b] + j`
+    where `new_mask[b, t, j]`."""
+    t, s = new_mask.shape[1], k_buf.shape[1]
+    slots = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    w0 = jnp.clip(hi, 0, s - t)[:, None, None]
+    j = slots - w0
+    in_window = (j >= 0) & (j < t)
+    window = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(j, 0, t - 1), (*new_mask.shape[:2], s)), axis=2)
+    return ((slots >= lo[:, :, None]) & (slots < w0)) | (in_window & window)
+
+
+def reference(q, k_buf, v_buf, new_mask, lo, hi, scale: float):
+    """What the kernel computes, in XLA (its gradient, and its test oracle)."""
+    s = jnp.einsum("BTCGH,BSCH->BTCGS", q, k_buf) * scale
+    s = jnp.where(seen(k_buf, new_mask, lo, hi)[:, :, None, None, :], s, -jnp.inf)
+    return jnp.einsum("BTCGS,BSCH->BTCGH", jax.nn.softmax(s, axis=-1), v_buf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attend(q, k_buf, v_buf, new_mask, lo, hi, scale):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(_SYMBOL, out, vmap_method="sequential")(
+        q, k_buf, v_buf, new_mask.astype(jnp.uint8), lo.astype(jnp.int32), hi.astype(jnp.int32),
+        scale=np.float32(scale))
+
+
+def _fwd(q, k_buf, v_buf, new_mask, lo, hi, scale):
+    return _attend(q, k_buf, v_buf, new_mask, lo, hi, scale), (q, k_buf, v_buf, new_mask, lo, hi)
+
+
+def _bwd(scale, res, dout):
+    q, k_buf, v_buf, new_mask, lo, hi = res
+    _, vjp = jax.vjp(lambda *a: reference(*a, new_mask, lo, hi, scale), q, k_buf, v_buf)
+    zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+    return (*vjp(dout), zero(new_mask), zero(lo), zero(hi))
+
+
+_attend.defvjp(_fwd, _bwd)
+
+
+def attend(q: Float[Array, "B T Kv G H"], k_buf: Float[Array, "B S Kv H"], v_buf: Float[Array, "B S Kv H"],
+           new_mask: Bool[Array, "B T T"], lo: Int[Array, "B T"], hi: Int[Array, "B"],
+           scale: float) -> Float[Array, "B T Kv G H"]:
+    """Softmax attention of each query over the slots it sees (`seen`) of buffers that already hold
+    this forward's keys and values at slots `hi[b] .. hi[b] + T - 1`, through the kernel. Raises if it
+    is not available."""
+    if not available():
+        raise RuntimeError(f"specjax_attend is not available: {status()}")
+    return _attend(q, k_buf, v_buf, new_mask, lo, hi, float(scale))
+
+
+if __name__ == "__main__":  # python -m specjax.models.cpu_attention: build ahead
+    print(build(force=True))
