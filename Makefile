@@ -15,6 +15,7 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
 	-$(PY) -W ignore::RuntimeWarning -m specjax.models.linear  # builds the CPU verify kernel now (XLA's dot is used without it)
+	-$(PY) -W ignore::RuntimeWarning -m specjax.models.cpu_attention  # and the CPU attention kernel (else XLA's attention)
 	touch $@
 
 # torch is pinned first so pip takes the local CPU build instead of a multi-GB CUDA one.

@@ -20,6 +20,7 @@ formulation. Built with the machine's compiler on first use and cached beside th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import pathlib
@@ -32,6 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import linear
 
 MAX_WINDOW = 64  # query tokens per row; prefill buckets (64+) stay with XLA's dots
+_ENABLED = True  # `use_kernel(False)`: trace with XLA's attention (A/B benchmarks)
 _SOURCE = pathlib.Path(__file__).with_name("attend_nk.cc")
 _SYMBOL = "specjax_attend"
 
@@ -59,9 +61,21 @@ def status() -> str:
     return "disabled by SPECJAX_DENSE_KERNEL=0" if linear._disabled() else linear._STATUS.get("attend", "not built")
 
 
+@contextlib.contextmanager
+def use_kernel(enabled: bool = True):
+    """Traces the enclosed code with the kernel where it applies (True) or XLA's attention everywhere
+    (False): A/B timings of one model (`specjax.bench.experiments.step_cost`)."""
+    global _ENABLED
+    old, _ENABLED = _ENABLED, bool(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED = old
+
+
 def applies(q: Float[Array, "B T Kv G H"], k_buf: Float[Array, "B S Kv H"], *, ring: bool, context) -> bool:
     """Whether a layer's attention goes to the kernel (see the module docstring)."""
-    if ring or context is not None or not 1 <= q.shape[1] <= MAX_WINDOW:
+    if not _ENABLED or ring or context is not None or not 1 <= q.shape[1] <= MAX_WINDOW:
         return False
     if q.dtype != jnp.float32 or k_buf.dtype != jnp.float32:
         return False
@@ -123,5 +137,11 @@ def attend(q: Float[Array, "B T Kv G H"], k_buf: Float[Array, "B S Kv H"], v_buf
     return _attend(q, k_buf, v_buf, new_mask, lo, hi, float(scale))
 
 
-if __name__ == "__main__":  # python -m specjax.models.cpu_attention: build ahead
-    print(build(force=True))
+if __name__ == "__main__":  # python -m specjax.models.cpu_attention: build ahead (e.g. right after install)
+    import sys
+
+    try:
+        print(build(force="--force" in sys.argv))
+    except RuntimeError as e:
+        print(f"not built ({e}); specjax will use XLA's attention", file=sys.stderr)
+        sys.exit(1)

@@ -23,7 +23,7 @@ A GGUF weight loaded packed (`quant.PackedWeight`, `load(..., weights="packed")`
 kernel, `specjax_qdense_nk` (qdense_nk.cc, built after dense_nk.cc in one library), for 1 to
 `KERNEL_MAX_ROWS` rows: it rebuilds the weights exactly as gguf does (AVX-512: 16 at a time, in registers
 for up to 3 rows, else once per block of weight rows into a small fp32 scratch; AVX2: 8 at a time for
-Q4_0/Q4_1/Q8_0, else a block at a time, into the scratch) and multiplies them in
+Q4_0/Q4_1/Q8_0, the same way, else a block at a time, into the scratch) and multiplies them in
 dense_nk's tiles, so its product is dense_nk's on the dequantized weight bit for bit, and a row is the
 same alone as in a window (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph
 and multiplied as above.

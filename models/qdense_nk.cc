@@ -10,8 +10,9 @@
 // fusing them into an FMA, and the function is compiled with fp-contract=off), so the rebuilt
 // weights are gguf's bit for bit. The sums run in dense_nk's order (per lane along k, the same
 // reduction tree): the product equals dense_nk on the dequantized weight bit for bit, for any row
-// count, and a row computes the same alone as in a window. Without AVX-512 the same chunks are
-// dequantized 8 weights at a time with AVX2 (Q4_0, Q4_1, Q8_0), else by the scalar `dequant_block`.
+// count, and a row computes the same alone as in a window. Without AVX-512, Q4_0, Q4_1 and Q8_0 are
+// rebuilt 8 weights at a time with AVX2: in registers for up to 3 rows (`fused8_rows`), else into the
+// same chunks; other types by the scalar `dequant_block`.
 #include <cstring>
 #if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
 #include <immintrin.h>

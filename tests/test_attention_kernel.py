@@ -102,6 +102,8 @@ def test_the_model_takes_the_kernel_only_where_it_applies():
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     with sharding.use(mesh):
         assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 0
+    with cpu_attention.use_kernel(False):  # the benchmarks' switch
+        assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 0
 
 
 @needs_kernel
