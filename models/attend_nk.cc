@@ -5,7 +5,7 @@
 // front: for a [B, S, Kv, H] buffer it writes a transposed copy of K and of V for every layer and
 // every step, and copies the buffer again before its in-place update. At one token and a 640-slot
 // cache that was ~0.7 ms a layer of copies around ~20 us of arithmetic (docs/BENCHMARKS.md, "The
-// step"). This kernel reads the buffers where they are, only the slots a query sees.
+// step, op by op"). This kernel reads the buffers where they are, only the slots a query sees.
 //
 // Inputs: q [B, T, Kv, G, H]; the cache with this forward's keys and values already written at
 // slots hi[b] .. hi[b] + T - 1, k/v [B, S, Kv, H]; which of them each query sees, mask [B, T, T]
@@ -14,9 +14,10 @@
 //   softmax(scale * q . keys) . values over the keys a query sees, in ascending slot order.
 // Reading the buffers after XLA's in-place write (rather than before it) also spares the copy XLA
 // would otherwise make of each buffer to keep the read ahead of the write.
-// A query's result depends only on the keys it sees, taken in that order, so a row computes the
-// same bits alone (T = 1, its earlier window tokens already in the cache) as inside a window.
-// Work (one query row's G heads per item) is split over XLA's intra-op pool when it is large.
+// A query's result depends only on the keys it sees, taken in that order (its weight on any other key
+// of its item is exactly 0), so a row computes the same bits alone (T = 1, its earlier window tokens
+// already in the cache) as inside a window. Work (every query of one row's window on one kv head per
+// item) is split over XLA's intra-op pool when it is large.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

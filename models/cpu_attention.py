@@ -3,7 +3,7 @@
 XLA:CPU lowers the attention einsums over a `[B, S, Kv, H]` cache to dots that want the kv-head
 axis in front, so every layer of every step wrote a transposed copy of K and of V and copied the
 buffer again before updating it: at one token and a 640-slot cache, about 0.7 ms a layer around
-~20 us of arithmetic (docs/BENCHMARKS.md, "The step"). `specjax_attend` reads the buffers in place,
+~20 us of arithmetic (docs/BENCHMARKS.md, "The step, op by op"). `specjax_attend` reads the buffers in place,
 after the forward's keys and values are written into them (so XLA needs no copy to keep a read
 ahead of its in-place write), and only the slots each query sees: the committed context, cut to a
 sliding window, and the window's own slots it sees. Its cost follows the context's length, not the
@@ -13,9 +13,9 @@ Used by `specjax.models.layers.attention.Attention` where it applies (`applies`)
 in context, a full buffer (not a sliding-window ring), no scratch-context mask, up to `MAX_WINDOW`
 queries a row. Elsewhere, and when it cannot be built or `SPECJAX_DENSE_KERNEL=0`, attention is
 XLA's (`attention.attend`); both give the same softmax attention to fp32 rounding
-(tests/test_attention_kernel.py). A query's keys are taken in one order, cache slots then new
-tokens, so a row computes the same alone as inside a verify window. Gradients go through the XLA
-formulation. Built with the machine's compiler on first use and cached beside the dense kernels.
+(tests/test_attention_kernel.py). A query's keys are taken in ascending slot order, and its weight
+on a key it does not see is exactly 0, so a row computes the same bits alone as inside a verify
+window. Gradients go through the XLA formulation. Built with the machine's compiler on first use and cached beside the dense kernels.
 """
 
 from __future__ import annotations
