@@ -119,15 +119,14 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
 // o_q[h0 .. h0 + 32) = sum over the keys, ascending, of p_q[a] * v[a], for NQ queries at once (the
 // heads of a row that share a kv head), so that each value row is read once for all of them (12
 // accumulators at NQ = 3). p_q: the query's normalized weights (stride n; 0 for a key it does not
-// see, which adds exactly nothing), o_q: its output (stride H).
+// see, which adds exactly nothing), o_q: its output (stride H). Key a's value row is at v + a * row.
 template <int NQ>
-inline void pv_n(const float* p, int64_t n, const float* v, const int64_t* slots, int64_t row, int64_t h0, float* o,
-                 int64_t H) {
+inline void pv_n(const float* p, int64_t n, const float* v, int64_t row, int64_t h0, float* o, int64_t H) {
   v8 acc[NQ][4];
   for (int g = 0; g < NQ; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = (v8){0};
   for (int64_t a = 0; a < n; ++a) {
-    const float* vr = v + slots[a] * row + h0;
-    if (a + 6 < n) __builtin_prefetch(v + slots[a + 6] * row + h0);  // rows a stride apart: ahead of the prefetcher
+    const float* vr = v + a * row + h0;
+    if (a + 6 < n) __builtin_prefetch(vr + 6 * row);  // rows a stride apart: ahead of the prefetcher
     const v8 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
     for (int g = 0; g < NQ; ++g) {
       const float pg = p[g * n + a];
@@ -143,7 +142,6 @@ inline void pv_n(const float* p, int64_t n, const float* v, const int64_t* slots
 
 struct Scratch {
   std::vector<float> sc;        // scores, then weights: [T * G, n]
-  std::vector<int64_t> slots;   // the keys' rows in the buffers: [n]
   std::vector<uint8_t> seen;    // [T, n]
 };
 
@@ -167,9 +165,7 @@ struct AttendWork {
     const int64_t nc = w0 - s0, n = nc + T, Q = T * G;
     const int64_t kv_row = C * H;  // floats between a buffer's consecutive slots
     w.sc.resize(static_cast<size_t>(Q * n));
-    w.slots.resize(static_cast<size_t>(n));
     w.seen.resize(static_cast<size_t>(T * n));
-    for (int64_t a = 0; a < n; ++a) w.slots[a] = b * S + s0 + a;  // committed slots, then the window's
     for (int64_t t = 0; t < T; ++t) {
       const int64_t from = std::clamp<int64_t>(lo[b * T + t], 0, w0) - s0;
       uint8_t* sn = w.seen.data() + t * n;
@@ -177,10 +173,10 @@ struct AttendWork {
       for (int64_t j = 0; j < T; ++j) sn[nc + j] = mask[(b * T + t) * T + j] != 0;
     }
     // scores: 8 keys at a time for each query (the last group padded with the first key, unused)
-    const float* kc = k + c * H;
+    const float* kc = k + (b * S + s0) * kv_row + c * H;  // key a: slot s0 + a (the committed, then the window)
     for (int64_t a0 = 0; a0 < n; a0 += 8) {
       const float* rows[8];
-      for (int i = 0; i < 8; ++i) rows[i] = kc + w.slots[a0 + i < n ? a0 + i : a0] * kv_row;
+      for (int i = 0; i < 8; ++i) rows[i] = kc + (a0 + i < n ? a0 + i : a0) * kv_row;
       const int64_t m8 = std::min<int64_t>(8, n - a0);
       for (int64_t qi = 0; qi < Q; ++qi) {
         const int64_t t = qi / G, g = qi % G;
@@ -222,7 +218,7 @@ struct AttendWork {
       }
     }
     // outputs: 32 columns of a row's heads at a time (up to 4)
-    const float* vc = v + c * H;
+    const float* vc = v + (b * S + s0) * kv_row + c * H;
     for (int64_t t = 0; t < T; ++t) {
       float* ot = out + ((b * T + t) * C + c) * G * H;
       int64_t h0 = 0;
@@ -230,10 +226,10 @@ struct AttendWork {
         for (int64_t g = 0; g < G; g += 4) {
           const float* p = w.sc.data() + (t * G + g) * n;
           switch (std::min<int64_t>(4, G - g)) {
-            case 1: pv_n<1>(p, n, vc, w.slots.data(), kv_row, h0, ot + g * H, H); break;
-            case 2: pv_n<2>(p, n, vc, w.slots.data(), kv_row, h0, ot + g * H, H); break;
-            case 3: pv_n<3>(p, n, vc, w.slots.data(), kv_row, h0, ot + g * H, H); break;
-            default: pv_n<4>(p, n, vc, w.slots.data(), kv_row, h0, ot + g * H, H);
+            case 1: pv_n<1>(p, n, vc, kv_row, h0, ot + g * H, H); break;
+            case 2: pv_n<2>(p, n, vc, kv_row, h0, ot + g * H, H); break;
+            case 3: pv_n<3>(p, n, vc, kv_row, h0, ot + g * H, H); break;
+            default: pv_n<4>(p, n, vc, kv_row, h0, ot + g * H, H);
           }
         }
       if (h0 < H)  // the last H % 32 columns
@@ -242,7 +238,7 @@ struct AttendWork {
           std::fill(o + h0, o + H, 0.f);
           for (int64_t a = 0; a < n; ++a) {
             const float pa = w.sc[(t * G + g) * n + a];
-            const float* vr = vc + w.slots[a] * kv_row;
+            const float* vr = vc + a * kv_row;
             for (int64_t h = h0; h < H; ++h) o[h] += pa * vr[h];
           }
         }
