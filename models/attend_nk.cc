@@ -16,8 +16,8 @@
 // would otherwise make of each buffer to keep the read ahead of the write.
 // A query's result depends only on the keys it sees, taken in that order (its weight on any other key
 // of its item is exactly 0), so a row computes the same bits alone (T = 1, its earlier window tokens
-// already in the cache) as inside a window. Work (every query of one row's window on one kv head per
-// item) is split over XLA's intra-op pool when it is large.
+// already in the cache) as inside a window, or inside a prefill bucket. Work (up to TILE queries of one
+// row's window on one kv head per item) is split over XLA's intra-op pool when it is large.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -140,6 +140,10 @@ inline void pv_n(const float* p, int64_t n, const float* v, int64_t row, int64_t
     for (int l = 0; l < 4; ++l) std::memcpy(o + g * H + h0 + 8 * l, &acc[g][l], sizeof(v8));
 }
 
+// queries of a row's window per work item: a prefill bucket's window is split into tiles (over the
+// threads, and with scratch of TILE x G x keys), a decode or verify window is one
+constexpr int64_t TILE = 64;
+
 struct Scratch {
   std::vector<float> sc;        // scores, then weights: [T * G, n]
   std::vector<uint8_t> seen;    // [T, n]
@@ -154,23 +158,34 @@ struct AttendWork {
   float scale;
   std::atomic<int64_t> next{0}, done{0};
 
-  // item = (b, c): every query of row b's window on kv head c (T rows x G heads), over the union of
-  // the keys they see, each key row read once for all of them. A query's weight on a key it does not
-  // see is exactly 0, so its sums are those over its own keys, in the same order.
+  int64_t tiles = 1;  // query tiles a row's window is split into (TILE queries each)
+
+  // item = (b, c, tile): the tile's queries of row b's window on kv head c (rows t0 .. t1 - 1 x G heads),
+  // over the union of the keys they see, each key row read once for all of them. A query's weight on a
+  // key it does not see is exactly 0 (and adds exactly nothing), so its sums are those over its own
+  // keys, in the same order, whichever tile and union it is computed in.
   void item(int64_t it, Scratch& w) {
-    const int64_t c = it % C, b = it / C;
+    const int64_t tile = it % tiles, c = (it / tiles) % C, b = it / (tiles * C);
+    const int64_t t0 = tile * TILE, t1 = std::min(T, t0 + TILE), TQ = t1 - t0;
     const int64_t w0 = std::clamp<int64_t>(hi[b], 0, S - T);  // the window's first slot
-    int64_t s0 = w0;
-    for (int64_t t = 0; t < T; ++t) s0 = std::min(s0, std::clamp<int64_t>(lo[b * T + t], 0, w0));
-    const int64_t nc = w0 - s0, n = nc + T, Q = T * G;
+    int64_t s0 = w0, jn = 0;  // the committed keys from s0; the window's first jn slots
+    for (int64_t t = t0; t < t1; ++t) {
+      s0 = std::min(s0, std::clamp<int64_t>(lo[b * T + t], 0, w0));
+      for (int64_t j = T - 1; j >= jn; --j)
+        if (mask[(b * T + t) * T + j]) {
+          jn = j + 1;
+          break;
+        }
+    }
+    const int64_t nc = w0 - s0, n = nc + jn, Q = TQ * G;
     const int64_t kv_row = C * H;  // floats between a buffer's consecutive slots
     w.sc.resize(static_cast<size_t>(Q * n));
-    w.seen.resize(static_cast<size_t>(T * n));
-    for (int64_t t = 0; t < T; ++t) {
+    w.seen.resize(static_cast<size_t>(TQ * n));
+    for (int64_t t = t0; t < t1; ++t) {
       const int64_t from = std::clamp<int64_t>(lo[b * T + t], 0, w0) - s0;
-      uint8_t* sn = w.seen.data() + t * n;
+      uint8_t* sn = w.seen.data() + (t - t0) * n;
       for (int64_t a = 0; a < nc; ++a) sn[a] = a >= from;
-      for (int64_t j = 0; j < T; ++j) sn[nc + j] = mask[(b * T + t) * T + j] != 0;
+      for (int64_t j = 0; j < jn; ++j) sn[nc + j] = mask[(b * T + t) * T + j] != 0;
     }
     // scores: 8 keys at a time for each query (the last group padded with the first key, unused)
     const float* kc = k + (b * S + s0) * kv_row + c * H;  // key a: slot s0 + a (the committed, then the window)
@@ -179,7 +194,7 @@ struct AttendWork {
       for (int i = 0; i < 8; ++i) rows[i] = kc + (a0 + i < n ? a0 + i : a0) * kv_row;
       const int64_t m8 = std::min<int64_t>(8, n - a0);
       for (int64_t qi = 0; qi < Q; ++qi) {
-        const int64_t t = qi / G, g = qi % G;
+        const int64_t t = t0 + qi / G, g = qi % G;
         const float* qv = q + (((b * T + t) * C + c) * G + g) * H;
         float* sq = w.sc.data() + qi * n;
         if (H % 8 != 0) {
@@ -194,7 +209,7 @@ struct AttendWork {
       }
     }
     // softmax over the keys each query sees
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < TQ; ++t) {
       const uint8_t* sn = w.seen.data() + t * n;
       bool any = false;
       for (int64_t a = 0; a < n; ++a) any |= sn[a] != 0;
@@ -219,8 +234,8 @@ struct AttendWork {
     }
     // outputs: 32 columns of a row's heads at a time (up to 4)
     const float* vc = v + (b * S + s0) * kv_row + c * H;
-    for (int64_t t = 0; t < T; ++t) {
-      float* ot = out + ((b * T + t) * C + c) * G * H;
+    for (int64_t t = 0; t < TQ; ++t) {
+      float* ot = out + ((b * T + t0 + t) * C + c) * G * H;
       int64_t h0 = 0;
       for (; h0 + 32 <= H; h0 += 32)
         for (int64_t g = 0; g < G; g += 4) {
@@ -247,7 +262,7 @@ struct AttendWork {
 
   void run() {
     Scratch w;
-    const int64_t items = B * C;
+    const int64_t items = B * C * tiles;
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       item(it, w);
       done.fetch_add(1, std::memory_order_release);
@@ -278,7 +293,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   work->out = out->typed_data();
   work->B = B, work->T = T, work->S = S, work->C = C, work->G = G, work->H = H;
   work->scale = scale;
-  const int64_t items = B * C;
+  work->tiles = (T + TILE - 1) / TILE;
+  const int64_t items = B * C * work->tiles;
   if (items == 0 || T == 0) return ffi::Error::Success();
   // another thread pays from ~2M multiply-adds (q . k and p . v over the keys the queries see): waking
   // one costs tens of microseconds, and the caller waits for the item it took

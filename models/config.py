@@ -117,6 +117,9 @@ class ModelConfig:
     # how projection weights are stored: "kn" w[K, N], or "nk" w[N, K] (CPU, the few-row kernel);
     # chosen at load time by `specjax.models.linear.preferred_layout`, see that module
     weight_layout: str = "kn"
+    # how GGUF weights kept packed are multiplied: "exact" (gguf's fp32 weights, HF's numbers) or "q8"
+    # (llama.cpp's int8 activations and integer dots; `specjax.models.quant`); chosen at load time
+    weights_arith: str = "exact"
     # ---- the options families differ in (Llama's defaults) ----
     layer_kinds: tuple[AttnKind, ...] = ()  # one per layer; () is every layer GLOBAL
     sliding_window: int | None = None  # W of the LOCAL layers
@@ -142,6 +145,8 @@ class ModelConfig:
                 raise ValueError(f"{f}={getattr(self, f)!r}: use 'float32', 'bfloat16' or 'float16'")
         if self.weight_layout not in ("kn", "nk"):
             raise ValueError(f"weight_layout={self.weight_layout!r}: use 'kn' (w[K, N]) or 'nk' (w[N, K])")
+        if self.weights_arith not in ("exact", "q8"):
+            raise ValueError(f"weights_arith={self.weights_arith!r}: use 'exact' or 'q8'")
         if isinstance(self.rope_scaling, dict):  # read back from a JSON manifest (dataclasses.asdict)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         rs = self.rope_scaling

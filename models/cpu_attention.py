@@ -1,4 +1,5 @@
-"""One attention layer's decode or verify window on the CPU, through a small C++ kernel (attend_nk.cc).
+"""One attention layer's window (decode, verify, or a prefill bucket) on the CPU, through a small C++
+kernel (attend_nk.cc).
 
 XLA:CPU lowers the attention einsums over a `[B, S, Kv, H]` cache to dots that want the kv-head
 axis in front, so every layer of every step wrote a transposed copy of K and of V and copied the
@@ -11,11 +12,14 @@ buffer's.
 
 Used by `specjax.models.layers.attention.Attention` where it applies (`applies`): CPU, fp32, no mesh
 in context, a full buffer (not a sliding-window ring), no scratch-context mask, up to `MAX_WINDOW`
-queries a row. Elsewhere, and when it cannot be built or `SPECJAX_DENSE_KERNEL=0`, attention is
+queries a row (every default prefill bucket). Elsewhere, and when it cannot be built or `SPECJAX_DENSE_KERNEL=0`, attention is
 XLA's (`attention.attend`); both give the same softmax attention to fp32 rounding
 (tests/test_attention_kernel.py). A query's keys are taken in ascending slot order, and its weight
 on a key it does not see is exactly 0, so a row computes the same bits alone as inside a verify
-window. Gradients go through the XLA formulation. Built with the machine's compiler on first use and cached beside the dense kernels.
+window. Its bits do not depend on the buffer's length either (XLA's reductions over the whole buffer
+do): a prefill computes the same whatever cache length a method's program allocates, so plain and
+speculative decoding start from the same cache bit for bit, which "q8" arithmetic, whose rounding of
+activations to int8 turns an ulp into a step, needs. Gradients go through the XLA formulation. Built with the machine's compiler on first use and cached beside the dense kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import linear
 
-MAX_WINDOW = 64  # query tokens per row; prefill buckets (64+) stay with XLA's dots
+MAX_WINDOW = 4096  # query tokens per row: the largest default prefill bucket (`serving.engine.DEFAULT_BUCKETS`)
 _ENABLED = True  # `use_kernel(False)`: trace with XLA's attention (A/B benchmarks)
 _SOURCE = pathlib.Path(__file__).with_name("attend_nk.cc")
 _SYMBOL = "specjax_attend"

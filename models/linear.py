@@ -148,8 +148,12 @@ def _dense_packed(x, w, layout: str):
     if x.shape[-1] != k:
         raise ValueError(f"dense: x {tuple(x.shape)} and a packed {w.qtype} weight [N={n}, K={k}] do not contract")
     lead, m = x.shape[:-1], _rows(x)
+    q8 = w.arith == "q8" and w.qtype in quant.Q8_TYPES and m <= KERNEL_MAX_ROWS  # prefill stays exact
     if _use_packed_kernel(m, x):
-        return qdense_nk_kernel(x.reshape(m, k), w.blocks, w.qtype, w.shape).reshape(*lead, n)
+        return qdense_nk_kernel(x.reshape(m, k), w.blocks, w.qtype, w.shape, arith="q8" if q8 else "exact"
+                                ).reshape(*lead, n)
+    if q8:
+        return quant.q8_product(x.reshape(m, k).astype(jnp.float32), w).astype(x.dtype).reshape(*lead, n)
     dq = w.dequantize()
     return dense(x, dq if check_layout(layout) == "nk" else dq.T, layout)
 
@@ -387,11 +391,15 @@ def packed_kernel_status() -> str:
     return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("packed", "not built")
 
 
-def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str = _QSYMBOL):
+def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str = _QSYMBOL,
+                     arith: str = "exact"):
     """`x[M, K] @ W.T` for a GGUF weight `W[N, K]` given as its blocks (uint8 `[N, K / block * bytes]`,
     `specjax.models.quant`), through the C++ kernel: equal bit for bit to `dense_nk_kernel(x, W)` on the
-    dequantized weight. Raises if it is not available. `target`: a build from `register_packed_variant`."""
+    dequantized weight. `arith="q8"`: llama.cpp's arithmetic (`quant.q8_product`'s values up to summation
+    order) for the `quant.Q8_TYPES`, exact for the others. Raises if it is not available. `target`: a build
+    from `register_packed_variant`."""
     n, k = shape
+    mode = ("exact", "q8").index(quant.check_arith(arith))
     if qtype not in QTYPE_CODES:
         raise ValueError(f"specjax_qdense_nk: block type {qtype} is not one of {', '.join(QTYPE_CODES)}")
     if x.ndim != 2 or x.shape[1] != k or x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
@@ -402,7 +410,8 @@ def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str 
     import numpy as np
 
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]))
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]),
+                                                                   mode=np.int32(mode))
 
 
 if __name__ == "__main__":  # python -m specjax.models.linear: build ahead (e.g. right after install)

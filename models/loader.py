@@ -103,7 +103,8 @@ def default_weights(dtype: str = "float32", backend: str | None = None) -> str:
 
 
 def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         progress: bool = False, weight_layout: str | None = None, weights: str | None = None) -> LoadedModel:
+         progress: bool = False, weight_layout: str | None = None, weights: str | None = None,
+         weights_arith: str = "exact") -> LoadedModel:
     """Loads weights and tokenizer.
 
     Args:
@@ -121,6 +122,9 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
         refused by name. Default (`default_weights`): "packed" for fp32 on CPU where the packed kernel
         is built (faster: docs/BENCHMARKS.md, "Packed GGUF weights"), with any tensor of another block
         type dequantized; else "dequantized". Ignored for an HF directory.
+      weights_arith: how packed weights are multiplied (`ModelConfig.weights_arith`): "exact" (HF's
+        numbers) or "q8", llama.cpp's arithmetic (int8 activations per 32, integer dots; opt-in, not
+        HF-identical; plain decoding and speculation share it). "q8" needs a GGUF file loaded packed.
     """
     strict = weights is not None  # asked for packed: a type that cannot stay packed is refused
     weights = default_weights(dtype) if weights is None else weights
@@ -132,7 +136,11 @@ def load(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None =
     packed = weights == "packed"
     path = catalog.resolve(name_or_path)
     name = name_or_path if name_or_path in PRESETS else path.stem
-    over = dict(dtype=dtype, param_dtype=param_dtype or dtype,
+    if quant.check_arith(weights_arith) == "q8" and (path.is_dir() or not packed or str(dtype) != "float32"):
+        raise ValueError(f"weights_arith='q8' multiplies GGUF weights kept packed in fp32 compute; {path.name} is "
+                         f"{'an HF directory' if path.is_dir() else f'loaded {weights} in {dtype}'} (load a .gguf "
+                         "with weights='packed', dtype='float32', or use weights_arith='exact')")
+    over = dict(dtype=dtype, param_dtype=param_dtype or dtype, weights_arith=weights_arith,
                 weight_layout=linear.check_layout(weight_layout or linear.preferred_layout(dtype=dtype)))
     if path.is_dir():
         config = hf_loader.config_from_hf(path, name=name, **over)

@@ -13,6 +13,7 @@
 // count, and a row computes the same alone as in a window. Without AVX-512, Q4_0, Q4_1 and Q8_0 are
 // rebuilt 8 weights at a time with AVX2: in registers for up to 3 rows (`fused8_rows`), else into the
 // same chunks; other types by the scalar `dequant_block`.
+#include <cmath>
 #include <cstring>
 #if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
 #include <immintrin.h>
@@ -543,26 +544,371 @@ void qweight_rows(const float* x, const uint8_t* w, float* y, int32_t type, int6
   deq_rows(x, w, y, acc.get(), scratch, ScalarDeq{type}, M, K, N, n0, n1, rb, nb, cb, bw);
 }
 
+// ---- fast mode (mode 1): llama.cpp's arithmetic, activations as int8 per 32, integer dots -----------
+// x is quantized once per call, each row's blocks of 32 apart: d = amax / 127, q = round-half-even(x / d)
+// (as x * (1 / d)), s = sum(q). A weight block of a 32-weight type is unsigned bytes u with an integer
+// offset o (Q4_0: nibbles, o = 8; Q5_0: 5 bits, o = 16; Q4_1/Q5_1: o = 0 and a minimum m; Q8_0: q + 128,
+// o = 128 with VNNI) and a scale dw, so the block's contribution to an output is
+//   dw * dx * (sum(u * q) - o * s)  [+ m * dx * s for Q4_1/Q5_1],
+// the integer part exact in int32. The per-lane integer sums are converted and accumulated in fp32
+// lanes (as ggml's vec_dot), then summed in a fixed order: every row of x is computed by the same
+// operations whatever M is, so a row is the same alone as in a window, and plain decoding and a
+// verify window share one arithmetic. K-quant types (256-weight blocks) stay exact in this mode.
+inline bool q8_type(int32_t type) { return type <= Q8_0; }
+
+struct XQ {  // x [M, K] quantized per 32: q int8 [M, K]; per block d, d * s, and -o * s
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, ds;
+  std::unique_ptr<int32_t[]> os;
+  // for the 512-bit path (two blocks a vector), per row and pair of blocks, 16 lanes: d of each block
+  // in its 8 lanes; d * s and -o * s in each block's first lane, 0 elsewhere
+  std::unique_ptr<float[]> d16, ds16;
+  std::unique_ptr<int32_t[]> os16;
+};
+
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECJAX_Q8_512 1
+#else
+#define SPECJAX_Q8_512 0
+#endif
+
+// the offset o of a type's unsigned weight bytes, as `q8_unpack` builds them
+inline int q8_offset(int32_t type) {
+  switch (type) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+#if defined(__x86_64__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case Q8_0: return 128;  // u = q + 128 (dpbusd multiplies unsigned by signed bytes)
+#endif
+    default: return 0;      // Q4_1, Q5_1; Q8_0 without VNNI (signed dot)
+  }
+}
+
+void q8_quantize(const float* x, int64_t M, int64_t K, int32_t type, XQ& out) {
+  const int64_t G = K / 32;
+  out.q.reset(new int8_t[M * K]);
+  out.d.reset(new float[M * G]);
+  out.ds.reset(new float[M * G]);
+  out.os.reset(new int32_t[M * G]);
+  const int o = q8_offset(type);
+  for (int64_t b = 0; b < M * G; ++b) {
+    const float* v = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int s = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = int(std::nearbyint(v[j] * id));  // the default rounding: half to even
+      out.q[b * 32 + j] = int8_t(q);
+      s += q;
+    }
+    out.d[b] = d;
+    out.ds[b] = d * float(s);
+    out.os[b] = -o * s;
+  }
+  if (!SPECJAX_Q8_512 || G % 2) return;
+  out.d16.reset(new float[M * G * 8]);
+  out.ds16.reset(new float[M * G * 8]());
+  out.os16.reset(new int32_t[M * G * 8]());
+  for (int64_t b = 0; b < M * G; ++b)  // pair b / 2, half b % 2: lanes 8 b .. 8 b + 7
+    for (int l = 0; l < 8; ++l) out.d16[b * 8 + l] = out.d[b];
+  for (int64_t b = 0; b < M * G; ++b) {
+    out.ds16[b * 8] = out.ds[b];
+    out.os16[b * 8] = out.os[b];
+  }
+}
+
+// a horizontal sum in a fixed order
+inline float q8_hsum(const float* lanes8) {
+  float a = (lanes8[0] + lanes8[4]) + (lanes8[2] + lanes8[6]);
+  float b = (lanes8[1] + lanes8[5]) + (lanes8[3] + lanes8[7]);
+  return a + b;
+}
+
+#if defined(__x86_64__) && defined(__AVX2__)
+inline int q8_block_bytes(int32_t type) { return block_bytes(type); }
+
+// `q8_hsum`'s order in registers: lanes l + 4, then + 2, then + 1
+inline float q8_hsum256(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+// weight block g of a row as 32 unsigned bytes (weight j in byte j), its scale and minimum
+template <int T>
+inline __m256i q8_unpack(const uint8_t* p, float& dw, float& mw) {
+  dw = f16(p);
+  mw = (T == Q4_1 || T == Q5_1) ? f16(p + 2) : 0.f;
+  if (T == Q8_0) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // q + 128
+#else
+    return q;  // signed: the dot takes |q| and moves its sign onto x
+#endif
+  }
+  const int qs = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + qs));
+  const __m128i low = _mm_set1_epi8(0xF);
+  __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  if (T == Q5_0 || T == Q5_1) {  // bit j of qh is bit 4 of weight j
+    const uint32_t qh = u32(p + (T == Q5_0 ? 2 : 4));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    u = _mm256_or_si256(u, _mm256_maskz_mov_epi8(static_cast<__mmask32>(qh), _mm256_set1_epi8(16)));
+#else
+    // byte j gets byte j / 8 of qh, then its bit j % 8 tested
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(qh)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+  }
+  return u;
+}
+
+// 8 int32 lanes summing to sum(u * q) + init (init: lane 0)
+template <int T>
+inline __m256i q8_dot(__m256i u, const int8_t* q, int32_t init) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i acc = _mm256_zextsi128_si256(_mm_cvtsi32_si128(init));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  __m256i p;
+  if (T == Q8_0) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));  // |w| * (x sign w)
+  else p = _mm256_maddubs_epi16(u, x);  // u <= 31: no int16 saturation
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+// rows [m0, m0 + MT) of x times weight rows [n, n + R)
+template <int T, int MT, int R>
+void q8_tile(const XQ& xq, const uint8_t* __restrict w, float* __restrict y, int64_t K, int64_t N, int64_t n,
+             int64_t rb, int64_t m0) {
+  constexpr bool has_min = T == Q4_1 || T == Q5_1;
+  const int64_t G = K / 32;
+  const int bb = q8_block_bytes(T);
+  __m256 acc[MT][R];
+  __m128 accm[MT][R];  // lane 0: the minima's sum (scalar FMAs, as the scalar path's std::fma)
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      accm[i][r] = _mm_setzero_ps();
+    }
+  for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float dw, mw;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + 2 * R) * rb + g * bb), _MM_HINT_T0);  // rows ahead
+      const __m256i u = q8_unpack<T>(w + (n + r) * rb + g * bb, dw, mw);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const int64_t b = (m0 + i) * G + g;
+        const __m256i s = q8_dot<T>(u, xq.q.get() + b * 32, xq.os[b]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xq.d[b]), _mm256_cvtepi32_ps(s), acc[i][r]);
+        if (has_min) accm[i][r] = _mm_fmadd_ss(_mm_set_ss(mw), _mm_set_ss(xq.ds[b]), accm[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) y[(m0 + i) * N + n + r] = q8_hsum256(acc[i][r]) + _mm_cvtss_f32(accm[i][r]);
+}
+
+template <int T, int R>
+void q8_rows_r(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n, int64_t rb) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) q8_tile<T, 4, R>(xq, w, y, K, N, n, rb, m);
+  switch (M - m) {
+    case 3: return q8_tile<T, 3, R>(xq, w, y, K, N, n, rb, m);
+    case 2: return q8_tile<T, 2, R>(xq, w, y, K, N, n, rb, m);
+    case 1: return q8_tile<T, 1, R>(xq, w, y, K, N, n, rb, m);
+  }
+}
+
+#if SPECJAX_Q8_512
+// With AVX-512 VNNI, two blocks a 512-bit vector (K / 32 even): one vpdpbusd per 64 weights and row,
+// the scales and the minima's terms as vectors (`XQ::d16`, `ds16`, `os16`)
+
+// blocks 2p and 2p + 1 of a row as 64 unsigned bytes, their scales and minima in 8 lanes each
+template <int T>
+inline __m512i q8_unpack2(const uint8_t* p, __m512& dw, __m512& mw) {
+  constexpr int bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  const uint8_t* p1 = p + bb;
+  dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(f16(p)), 0xFF00, _mm_set_ss(f16(p1)));
+  if (T == Q4_1 || T == Q5_1) mw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(f16(p + 2)), 0xFF00, _mm_set_ss(f16(p1 + 2)));
+  if (T == Q8_0) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)), 1);
+    return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));  // q + 128
+  }
+  constexpr int qs = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+  const __m256i v = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + qs)));
+  const __m256i low = _mm256_set1_epi8(0xF);
+  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);  // lo0 lo1 hi0 hi1
+  __m512i u = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                       // lo0 hi0 lo1 hi1
+  if (T == Q5_0 || T == Q5_1) {
+    const int at = T == Q5_0 ? 2 : 4;
+    const uint64_t qh = uint64_t(u32(p + at)) | (uint64_t(u32(p1 + at)) << 32);
+    u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(static_cast<__mmask64>(qh), _mm512_set1_epi8(16)));
+  }
+  return u;
+}
+
+template <int T, int MT, int R>
+void q8_tile512(const XQ& xq, const uint8_t* __restrict w, float* __restrict y, int64_t K, int64_t N, int64_t n,
+                int64_t rb, int64_t m0) {
+  constexpr bool has_min = T == Q4_1 || T == Q5_1;
+  constexpr bool has_off = T != Q4_1 && T != Q5_1;
+  const int64_t G = K / 32;
+  const int bb = block_bytes(T);
+  __m512 acc[MT][R];
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 2) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 dw, mw;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + 2 * R) * rb + g * bb), _MM_HINT_T0);  // rows ahead
+      const __m512i u = q8_unpack2<T>(w + (n + r) * rb + g * bb, dw, mw);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const int64_t b = (m0 + i) * G + g;  // the pair's first block; its lanes at 8 b
+        const __m512i x = _mm512_loadu_si512(xq.q.get() + b * 32);
+        const __m512i init = has_off ? _mm512_loadu_si512(xq.os16.get() + b * 8) : _mm512_setzero_si512();
+        const __m512i s = _mm512_dpbusd_epi32(init, u, x);
+        const __m512 sc = _mm512_mul_ps(dw, _mm512_loadu_ps(xq.d16.get() + b * 8));
+        acc[i][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(s), acc[i][r]);
+        if (has_min) acc[i][r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq.ds16.get() + b * 8), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)  // lanes l + 8 (the pair's two blocks), then `q8_hsum256`
+    for (int r = 0; r < R; ++r)
+      y[(m0 + i) * N + n + r] = q8_hsum256(_mm256_add_ps(_mm512_castps512_ps256(acc[i][r]),
+                                                         _mm512_extractf32x8_ps(acc[i][r], 1)));
+}
+
+// rows of x in tiles of at most 6 (24 accumulators for 4 weight rows), sizes balanced: a window of up
+// to 6 rows unpacks each weight block once
+template <int T, int R>
+void q8_rows512(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n, int64_t rb) {
+  const int64_t tiles = (M + 5) / 6;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m + (tiles - t) - 1) / (tiles - t);
+    switch (mt) {
+      case 6: q8_tile512<T, 6, R>(xq, w, y, K, N, n, rb, m); break;
+      case 5: q8_tile512<T, 5, R>(xq, w, y, K, N, n, rb, m); break;
+      case 4: q8_tile512<T, 4, R>(xq, w, y, K, N, n, rb, m); break;
+      case 3: q8_tile512<T, 3, R>(xq, w, y, K, N, n, rb, m); break;
+      case 2: q8_tile512<T, 2, R>(xq, w, y, K, N, n, rb, m); break;
+      default: q8_tile512<T, 1, R>(xq, w, y, K, N, n, rb, m);
+    }
+    m += mt;
+  }
+}
+#endif
+
+template <int T>
+void q8_typed_rows(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                   int64_t n1, int64_t rb) {
+#if SPECJAX_Q8_512
+  if (xq.d16) {  // K / 32 even
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) q8_rows512<T, 4>(xq, w, y, M, K, N, n, rb);
+    for (; n < n1; ++n) q8_rows512<T, 1>(xq, w, y, M, K, N, n, rb);
+    return;
+  }
+#endif
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) q8_rows_r<T, 4>(xq, w, y, M, K, N, n, rb);
+  for (; n < n1; ++n) q8_rows_r<T, 1>(xq, w, y, M, K, N, n, rb);
+}
+#endif
+
+// weight block p's integers as `q8_unpack` builds them (the offset included), one weight at a time
+void q8_ints(int32_t type, const uint8_t* p, int32_t* u) {
+  const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+  const uint32_t qh = type == Q5_0 ? u32(p + 2) : type == Q5_1 ? u32(p + 4) : 0;
+  for (int j = 0; j < 32; ++j) {
+    if (type == Q8_0) {
+      u[j] = int32_t(int8_t(p[2 + j])) + q8_offset(Q8_0);
+      continue;
+    }
+    const int nib = j < 16 ? p[qs + j] & 0xF : p[qs + j - 16] >> 4;
+    u[j] = nib | int(((qh >> j) & 1) << 4);
+  }
+}
+
+// Without AVX2: the same blocks, one weight at a time, in the vector paths' lanes (lane l sums the
+// products of weights 4l .. 4l + 3, as vpdpbusd's and maddubs + madd's do): the same bits
+void q8_scalar_rows(const XQ& xq, const uint8_t* w, float* y, int32_t type, int64_t M, int64_t K, int64_t N,
+                    int64_t n0, int64_t n1) {
+  const int64_t G = K / 32, rb = G * block_bytes(type);
+  int32_t u[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[8] = {}, accm = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* p = w + n * rb + g * block_bytes(type);
+        q8_ints(type, p, u);
+        const float dw = f16(p), mw = (type == Q4_1 || type == Q5_1) ? f16(p + 2) : 0.f;
+        const int64_t b = m * G + g;
+        const int8_t* q = xq.q.get() + b * 32;
+        for (int l = 0; l < 8; ++l) {
+          int32_t s = l == 0 ? xq.os[b] : 0;
+          for (int j = 4 * l; j < 4 * l + 4; ++j) s += u[j] * int32_t(q[j]);
+          acc[l] = std::fma(dw * xq.d[b], float(s), acc[l]);
+        }
+        if (type == Q4_1 || type == Q5_1) accm = std::fma(mw, xq.ds[b], accm);
+      }
+      y[m * N + n] = q8_hsum(acc) + accm;
+    }
+  }
+}
+
+void q8_weight_rows(const XQ& xq, const uint8_t* w, float* y, int32_t type, int64_t M, int64_t K, int64_t N,
+                    int64_t n0, int64_t n1) {
+#if defined(__x86_64__) && defined(__AVX2__)
+  const int64_t rb = K / 32 * block_bytes(type);
+  switch (type) {
+    case Q4_0: return q8_typed_rows<Q4_0>(xq, w, y, M, K, N, n0, n1, rb);
+    case Q4_1: return q8_typed_rows<Q4_1>(xq, w, y, M, K, N, n0, n1, rb);
+    case Q5_0: return q8_typed_rows<Q5_0>(xq, w, y, M, K, N, n0, n1, rb);
+    case Q5_1: return q8_typed_rows<Q5_1>(xq, w, y, M, K, N, n0, n1, rb);
+    case Q8_0: return q8_typed_rows<Q8_0>(xq, w, y, M, K, N, n0, n1, rb);
+  }
+#endif
+  q8_scalar_rows(xq, w, y, type, M, K, N, n0, n1);
+}
+
 struct QWork {
   const float* x;
   const uint8_t* w;
   float* y;
   int32_t type;
   int64_t M, K, N, block, nblocks;
+  bool q8 = false;  // fast mode: x quantized in xq
+  XQ xq;
   std::atomic<int64_t> next{0}, done{0};
   void run() {
     for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < nblocks;) {
       int64_t n0 = b * block, n1 = std::min(n0 + block, N);
-      qweight_rows(x, w, y, type, M, K, N, n0, n1);
+      if (q8) q8_weight_rows(xq, w, y, type, M, K, N, n0, n1);
+      else qweight_rows(x, w, y, type, M, K, N, n0, n1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error QDenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                    ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                    ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t mode) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (qtype < Q4_0 || qtype > Q6_K) return ffi::Error::InvalidArgument("specjax_qdense_nk: unknown block type code");
+  if (mode != 0 && mode != 1) return ffi::Error::InvalidArgument("specjax_qdense_nk: mode is 0 (exact) or 1 (q8)");
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
       xd[1] % block_weights(qtype) != 0 || wd[1] != xd[1] / block_weights(qtype) * block_bytes(qtype))
     return ffi::Error::InvalidArgument(
@@ -576,6 +922,8 @@ ffi::Error QDenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   work->K = xd[1];
   work->N = wd[0];
   if (work->M == 0 || work->N == 0) return ffi::Error::Success();
+  work->q8 = mode == 1 && q8_type(qtype);
+  if (work->q8) q8_quantize(work->x, work->M, work->K, qtype, work->xq);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // the same split as dense_nk's (in weight rows; the sums do not depend on it)
   int64_t block = (work->N + 4 * threads - 1) / (4 * threads);
@@ -599,4 +947,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_qdense_nk, QDenseNK,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("mode"));

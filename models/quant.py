@@ -12,6 +12,14 @@ Each format rounds at most once per value (a product, or a product and one add),
 order is all there is to match.
 
 Block types (`BLOCKS`): bytes per block of `block` weights, as in ggml-common.h.
+
+Arithmetic (`ARITHS`, a model's `ModelConfig.weights_arith`): "exact" multiplies gguf's fp32 weights
+by the fp32 activations (HF's numbers). "q8" is llama.cpp's: the activations of a 1-33-row product
+(decoding, verify windows, trees) are rounded to int8 per 32 (`q8_activations`) and each block's dot is
+an integer one, scaled once (`q8_product`; the CPU kernel computes the same in its own summation order).
+It is not HF-identical; a row still computes the same alone as in a window, so plain decoding and
+speculation share it. It covers the 32-weight types (`Q8_TYPES`); K-quant weights and prefill's larger
+products stay exact.
 """
 
 from __future__ import annotations
@@ -34,6 +42,15 @@ BLOCKS = {
     "Q6_K": (256, 210),
 }
 PACKED_TYPES = tuple(BLOCKS)
+ARITHS = ("exact", "q8")
+Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # what "q8" arithmetic covers
+
+
+def check_arith(arith: str) -> str:
+    if arith not in ARITHS:
+        raise ValueError(f"weights_arith={arith!r}: use 'exact' (gguf's fp32 weights times fp32 activations, "
+                         "HF's numbers) or 'q8' (llama.cpp's: int8 activations per 32, integer dots)")
+    return arith
 
 
 class UnsupportedBlockType(ValueError):
@@ -56,16 +73,19 @@ def check_type(qtype: str, k: int | None = None) -> tuple[int, int]:
 class PackedWeight:
     """One GGUF tensor as stored: `blocks` uint8 `[N, K // block * bytes]`; `qtype`, `shape` static.
 
-    `shape` is the logical `(N, K)`: N output rows of K weights each."""
+    `shape` is the logical `(N, K)`: N output rows of K weights each. `arith`: how `linear.dense`
+    multiplies it (`ARITHS`)."""
 
     blocks: jax.Array
     qtype: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    arith: str = dataclasses.field(default="exact", metadata=dict(static=True))
 
     def __post_init__(self):
         n, k = self.shape
         block, nbytes = check_type(self.qtype, k)
         want = (n, k // block * nbytes)
+        check_arith(self.arith)
         if tuple(self.blocks.shape) != want or self.blocks.dtype != np.uint8:
             raise ValueError(f"PackedWeight {self.qtype} {self.shape}: blocks must be uint8 {want}; got "
                              f"{self.blocks.dtype} {tuple(self.blocks.shape)}")
@@ -192,3 +212,48 @@ def dequantize(blocks, qtype: str, shape: tuple[int, int]) -> jax.Array:
     block, nbytes = check_type(qtype, k)
     b = jnp.asarray(blocks).reshape(n, k // block, nbytes)
     return _DEQUANT[qtype](b).reshape(n, k)
+
+
+# ---- "q8" arithmetic, in the graph (the kernel's fallback, and its test oracle) -------------------
+
+
+def q8_activations(x):
+    """`x[M, K]` rounded to int8 per block of 32, as the kernel does: d = amax / 127, q = round(x * (1 / d))
+    (half to even). Returns q int32 `[M, K // 32, 32]`, d fp32 `[M, K // 32]`."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = jnp.max(jnp.abs(xb), axis=-1) / jnp.float32(127)
+    inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, 1), 0)
+    return jnp.round(xb * inv[..., None]).astype(jnp.int32), d
+
+
+def _q8_weights(blocks, qtype: str, shape: tuple[int, int]):
+    """A 32-weight type's blocks as signed integers `[N, G, 32]`, scales `[N, G]`, minima `[N, G]` or None."""
+    n, k = shape
+    b = jnp.asarray(blocks).reshape(n, k // 32, BLOCKS[qtype][1])
+    d = _f16(b[..., 0:2])
+    if qtype == "Q8_0":
+        return jax.lax.bitcast_convert_type(b[..., 2:34], jnp.int8).astype(jnp.int32), d, None
+    if qtype == "Q4_0":
+        return _nibbles(b[..., 2:18]).astype(jnp.int32) - 8, d, None
+    if qtype == "Q4_1":
+        return _nibbles(b[..., 4:20]).astype(jnp.int32), d, _f16(b[..., 2:4])
+    if qtype == "Q5_0":
+        q = _nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6], 32) << 4)
+        return q.astype(jnp.int32) - 16, d, None
+    q = _nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8], 32) << 4)  # Q5_1
+    return q.astype(jnp.int32), d, _f16(b[..., 2:4])
+
+
+def q8_product(x, w: PackedWeight):
+    """`x[M, K] @ W.T` in "q8" arithmetic (`w.qtype` in `Q8_TYPES`): per block, dw * dx * the integer dot,
+    plus m * dx * sum(q) for the types with a minimum. The kernel's values up to fp32 summation order."""
+    if w.qtype not in Q8_TYPES:
+        raise ValueError(f"q8 arithmetic covers {', '.join(Q8_TYPES)}; {w.qtype} is multiplied exactly")
+    q, dx = q8_activations(x)
+    u, dw, mw = _q8_weights(w.blocks, w.qtype, w.shape)
+    isum = jnp.einsum("mgj,ngj->mng", q, u, preferred_element_type=jnp.int32)
+    y = jnp.einsum("mng,mg,ng->mn", isum.astype(jnp.float32), dx, dw)
+    if mw is not None:
+        y = y + jnp.einsum("mg,ng->mn", dx * q.sum(-1).astype(jnp.float32), mw)
+    return y

@@ -74,9 +74,11 @@ class Transformer(nnx.Module):
 
     # ---- the embedding (its GGUF blocks kept packed, or a dense table) -----------------------
     def _packed_embed(self) -> quant.PackedWeight | None:
-        """The embedding as a `quant.PackedWeight` `[V, D]` where the loader kept it packed, else None."""
+        """The embedding as a `quant.PackedWeight` `[V, D]` where the loader kept it packed, else None
+        (multiplied in the config's `weights_arith` when it is the LM head)."""
         packed = self.embed.get_metadata().get("packed")
-        return None if packed is None else quant.PackedWeight(self.embed[...], packed[0], tuple(packed[1:]))
+        return None if packed is None else quant.PackedWeight(self.embed[...], packed[0], tuple(packed[1:]),
+                                                              self.config.weights_arith)
 
     def embedding(self, ids: Int[Array, "..."] | None = None) -> Float[Array, "... D"]:
         """The token embedding table `[V, D]` as stored values (a packed one dequantized to gguf's fp32,
@@ -168,7 +170,7 @@ class Transformer(nnx.Module):
             w = pw if pw is not None and jnp.dtype(cd) == jnp.float32 else self.embedding().astype(cd)
         else:
             layout = self.config.weight_layout
-            w = params.weight(self.lm_head, cd, layout, keep_packed=True)
+            w = params.weight(self.lm_head, cd, layout, keep_packed=True, arith=self.config.weights_arith)
         out = linear.dense(hidden, w, layout)
         return sharding.constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
 

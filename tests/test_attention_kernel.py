@@ -32,7 +32,8 @@ def _inputs(seed, b, t, c, g, h, s, window=None):
     (1, 1, 3, 3, 64, 640, None),  # SmolLM2's decode step
     (2, 5, 2, 4, 16, 50, None),
     (3, 9, 1, 7, 20, 33, 6),  # H not a multiple of 8; a sliding window
-    (2, 64, 2, 1, 8, 100, None),  # the widest window it takes
+    (2, 64, 2, 1, 8, 100, None),  # one tile of queries
+    (1, 150, 2, 3, 16, 170, None),  # a prefill bucket: three tiles
     (1, 4, 1, 2, 8, 4, None),  # the window fills the buffer: no committed context
 ])
 def test_kernel_equals_xla_attention(b, t, c, g, h, s, window):
@@ -98,12 +99,32 @@ def test_the_model_takes_the_kernel_only_where_it_applies():
     calls = lambda text: text.count("@specjax_attend(")
     assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 2  # full buffers: both layers
     assert calls(_hlo(model, 2, model.init_cache(1, 16, window=2))) == 1  # the local layer's ring: XLA
-    assert calls(_hlo(model, cpu_attention.MAX_WINDOW + 1, model.init_cache(1, 80))) == 0  # a prefill bucket
+    assert calls(_hlo(model, 64, model.init_cache(1, 80))) == 2  # a prefill bucket
+    assert calls(_hlo(model, cpu_attention.MAX_WINDOW + 1, model.init_cache(1, cpu_attention.MAX_WINDOW + 8))) == 0
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     with sharding.use(mesh):
         assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 0
     with cpu_attention.use_kernel(False):  # the benchmarks' switch
         assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 0
+
+
+@needs_kernel
+def test_a_prefill_is_the_same_bits_whatever_the_buffers_length():
+    """A causal 150-token prefill (three query tiles) into buffers of 160 and of 300 slots, then a
+    row of it alone: the same bits (XLA's attention over the whole buffer is not: its reductions change
+    with the length). Why plain and speculative programs, whose caches differ by the window's slack,
+    start from the same cache."""
+    b, t, c, g, h = 1, 150, 2, 3, 16
+    q, k, v, _, lo, hi = _inputs(3, b, t, c, g, h, 300)
+    hi = jnp.zeros_like(hi)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    long = np.asarray(cpu_attention.attend(q, k, v, causal, lo, hi, 0.25))
+    short = np.asarray(cpu_attention.attend(q, k[:, :160], v[:, :160], causal, lo, hi, 0.25))
+    np.testing.assert_array_equal(long, short)
+    row = cpu_attention.attend(q[:, 130:131], k, v, jnp.ones((b, 1, 1), bool), lo[:, :1], hi + 130, 0.25)
+    np.testing.assert_array_equal(np.asarray(row)[:, 0], long[:, 130])
+    xla = np.asarray(cpu_attention.reference(q, k, v, causal, lo, hi, 0.25))
+    np.testing.assert_allclose(xla, long, rtol=2e-5, atol=2e-6)
 
 
 @needs_kernel

@@ -64,3 +64,17 @@ def test_report_compares_every_arm_with_llama_cpp_plain_and_specjax_plain():
     assert table["arms"]["llama.cpp plain"]["shared_prefix"] == [2, 2]
     assert table["arms"]["llama.cpp plain"]["identical"] == 1
     assert "0.30x" in out.getvalue()  # specjax plain against llama.cpp plain
+
+
+def test_report_holds_each_arithmetics_arms_to_its_own_plain_loop():
+    """`--weights-arith exact,q8`: a q8 arm is compared with specjax's q8 plain loop, an exact one with
+    the exact plain loop."""
+    exact, q8 = [peer.Run([1, 2, 3], 0.1)], [peer.Run([1, 7, 7], 0.1)]
+    rec = dict(prompts=[Prompt(0, "a", "qa")], gguf="/x/model.gguf", llama_bench=[100.0],
+               runs={"llama.cpp plain": [[peer.Run([1, 2, 9], 0.05)]], "specjax plain": [exact],
+                     "specjax ngram k=4": [[peer.Run([1, 2, 3], 0.08)]], "specjax plain q8": [q8],
+                     "specjax ngram k=4 q8": [[peer.Run([1, 7, 7], 0.07)]]})
+    arms = peer.report(rec, io.StringIO())["arms"]
+    assert arms["specjax ngram k=4 q8"]["identical"] == 1 and arms["specjax plain q8"]["identical"] == 1
+    assert arms["specjax ngram k=4"]["identical"] == 1
+    assert arms["llama.cpp plain"]["shared_prefix"] == [2]  # against specjax's exact plain

@@ -94,7 +94,8 @@ class Attention(nnx.Module):
     def _projs(self, x, *names: str) -> list:
         """The projections `names` of x, biased: several are one kernel call (`linear.dense_many`)."""
         dt = self.config.compute_dtype
-        ws = [params.weight(getattr(self, "w" + name), dt, self.config.weight_layout, keep_packed=True) for name in names]
+        ws = [params.weight(getattr(self, "w" + name), dt, self.config.weight_layout, keep_packed=True,
+                            arith=self.config.weights_arith) for name in names]
         ys = list(linear.dense_many(x, ws, self.config.weight_layout))
         if self.config.qkv_bias:
             ys = [y if name == "o" else y + getattr(self, "b" + name)[...].astype(dt)[None, None, :]

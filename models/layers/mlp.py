@@ -29,6 +29,7 @@ class MLP(nnx.Module):
         c = config
         self.dtype = c.compute_dtype
         self.layout = c.weight_layout
+        self.arith = c.weights_arith
         self.activation = c.mlp_activation
         self.w_gate = params.dense(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
         self.w_up = params.dense(rngs, c.dim, c.ffn_dim, c, c.dim**-0.5, ("embed", "ffn"))
@@ -36,8 +37,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         dt = self.dtype
-        ws = tuple(params.weight(w, dt, self.layout, keep_packed=True) for w in (self.w_gate, self.w_up))
+        ws = tuple(params.weight(w, dt, self.layout, keep_packed=True, arith=self.arith) for w in (self.w_gate, self.w_up))
         gate, up = linear.dense_many(x, ws, self.layout)
         h = activation(self.activation)(gate) * up
         h = sharding.constrain(h, ("batch", None, "ffn"))
-        return linear.dense(h, params.weight(self.w_down, dt, self.layout, keep_packed=True), self.layout)
+        return linear.dense(h, params.weight(self.w_down, dt, self.layout, keep_packed=True, arith=self.arith),
+                            self.layout)

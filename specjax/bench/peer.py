@@ -16,6 +16,7 @@ It prints a table of tok/s side by side (a request's new tokens over its wall ti
 processing included, summed over the prompts; llama-server's own decode-only rate beside it) and,
 per prompt, how many leading tokens each arm shares with specjax's plain output: llama.cpp rounds
 activations to 8 bits (not HF's arithmetic), so its greedy text drifts from ours after a while.
+`--weights-arith exact,q8` adds arms in specjax's q8 arithmetic (llama.cpp's; `weights_arith`).
 
 Example:
   python -m specjax.bench.peer --model smollm2-135m --prompts-file tasks --per-task 1 \\
@@ -176,12 +177,14 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _specjax(model: str, k: int):
-    """specjax's arms: plain and prompt lookup through `Engine.generate`, one request at a time."""
+def _specjax(model: str, k: int, arith: str = "exact"):
+    """specjax's arms in `arith` (`weights_arith`; " q8" ends their names): plain and prompt lookup
+    through `Engine.generate`, one request at a time."""
     from specjax import Engine, SpecConfig
 
-    engine = Engine.load(model)
+    engine = Engine.load(model, weights_arith=arith)
     stop = tuple(engine.tokenizer.stop_ids)
+    tag = "" if arith == "exact" else f" {arith}"
 
     def arm(spec):
         def go(ids: list[int], max_new: int) -> Run:
@@ -189,7 +192,8 @@ def _specjax(model: str, k: int):
             return Run(res.tokens, res.wall_s, (res.new_tokens - 1) / max(1e-9, res.wall_s - res.ttft_s))
         return go
 
-    return engine, stop, {"specjax plain": arm(SpecConfig()), f"specjax ngram k={k}": arm(SpecConfig(method="ngram", k=k))}
+    return engine, stop, {f"specjax plain{tag}": arm(SpecConfig()),
+                          f"specjax ngram k={k}{tag}": arm(SpecConfig(method="ngram", k=k))}
 
 
 def _auto(engine, prompts, max_new: int) -> tuple[list[Run], list[Run]]:
@@ -214,7 +218,11 @@ def measure(args) -> dict:
     gguf = str(catalog.resolve(args.model))
     bin_dir = pathlib.Path(args.llama_bin) if args.llama_bin else build(jobs=args.jobs)
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
-    engine, stop, ours = _specjax(args.model, args.k)
+    ours, engines = {}, {}
+    for arith in args.weights_arith.split(","):
+        engines[arith], stop, arms = _specjax(args.model, args.k, arith)
+        ours.update(arms)
+    engine = next(iter(engines.values()))
     ids = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}]),
                                    add_bos=False) for p in prompts]
     ctx = max(map(len, ids)) + args.max_new_tokens + 64
@@ -234,19 +242,24 @@ def measure(args) -> dict:
                 for name in order:
                     runs.setdefault(name, [[None] * len(ids) for _ in range(args.repeats)])[rep][i] = \
                         arms[name](x, args.max_new_tokens)
-            if not args.no_auto:
-                auto, splain = _auto(engine, prompts, args.max_new_tokens)
-                runs.setdefault("specjax auto", []).append(auto)
-                runs.setdefault("specjax plain (scheduler)", []).append(splain)
+            for arith, eng in ([] if args.no_auto else engines.items()):
+                auto, splain = _auto(eng, prompts, args.max_new_tokens)
+                tag = "" if arith == "exact" else f" {arith}"
+                runs.setdefault(f"specjax auto{tag}", []).append(auto)
+                runs.setdefault(f"specjax plain (scheduler){tag}", []).append(splain)
     return dict(prompts=prompts, runs=runs, llama_bench=bench, gguf=gguf)
 
 
 def report(rec: dict, out=sys.stdout) -> dict:
     """The side-by-side table (median over repeats of each arm's summed tok/s) and where outputs differ."""
     runs, prompts = rec["runs"], rec["prompts"]
-    base = runs["specjax plain"][0]
+    plains = [name for name in runs if name.startswith("specjax plain") and "scheduler" not in name]
     rows = {}
     for name, reps in runs.items():
+        # a specjax arm against the plain loop of its own arithmetic (" q8" arms against "specjax plain q8")
+        own = next((p for p in plains[::-1] if name.startswith("specjax") and name.endswith(p[len("specjax plain"):])),
+                   plains[0])
+        base = runs[own][0]
         rates = [sum(len(r.tokens) for r in rep) / sum(r.seconds for r in rep) for rep in reps]
         dec = [r.decode_tps for rep in reps for r in rep if r.decode_tps]
         same = [_shared_prefix(r.tokens, b.tokens) for r, b in zip(reps[0], base)]
@@ -256,13 +269,13 @@ def report(rec: dict, out=sys.stdout) -> dict:
     ref = rows["llama.cpp plain"]["tok_s"]
     bench = statistics.median(rec["llama_bench"])
     print(f"llama-bench tg (empty context): {bench:.1f} tok/s on {pathlib.Path(rec['gguf']).name}", file=out)
-    print(f"{'arm':30s} {'tok/s':>8s} {'x llama.cpp plain':>18s} {'decode tok/s':>13s} {'= specjax plain':>16s}",
+    print(f"{'arm':30s} {'tok/s':>8s} {'x llama.cpp plain':>18s} {'decode tok/s':>13s} {'= its plain':>12s}",
           file=out)
     for name, r in rows.items():
         dec = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "-"
         print(f"{name:30s} {r['tok_s']:8.1f} {r['tok_s'] / ref:17.2f}x {dec:>13s} {r['identical']:>9d}/{r['prompts']}",
               file=out)
-    print("leading tokens shared with specjax plain, per prompt:", file=out)
+    print("leading tokens shared with its plain loop (llama.cpp's: specjax plain), per prompt:", file=out)
     for name, r in rows.items():
         print(f"  {name:28s} " + " ".join(f"{n:4d}" for n in r["shared_prefix"]), file=out)
     print("  (prompt classes: " + ", ".join(str(p.task) for p in prompts) + ")", file=out)
@@ -281,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs for the llama.cpp build")
     p.add_argument("--llama-bin", default=None, help="a built llama.cpp bin/ folder (skips the build)")
     p.add_argument("--no-auto", action="store_true", help="skip specjax's auto arm (scheduler)")
+    p.add_argument("--weights-arith", default="exact",
+                   help="specjax's arithmetic, or several comma-separated, each its own arms: exact (HF's "
+                        "numbers), q8 (llama.cpp's; the arms' names end in q8)")
     p.add_argument("--json", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
     table = report(measure(args))

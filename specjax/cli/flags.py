@@ -17,6 +17,10 @@ def add_model(p: argparse.ArgumentParser) -> None:
                         ".gguf file or HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (float32 is the fast one on CPU)")
+    p.add_argument("--weights-arith", default="exact", choices=["exact", "q8"],
+                   help="how a GGUF file's packed weights are multiplied: exact (gguf's fp32 weights, HF's "
+                        "numbers) or q8 (llama.cpp's int8 activations and integer dots: faster, not "
+                        "HF-identical; plain and speculative decoding share it)")
 
 
 def add_mesh(p: argparse.ArgumentParser) -> None:

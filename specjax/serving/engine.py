@@ -67,7 +67,7 @@ class Engine:
 
     @classmethod
     def load(cls, name_or_path: str = "smollm2-135m", *, dtype: str = "float32",
-             assets: dict[str, str] | None = None, mesh=None, **kw) -> "Engine":
+             assets: dict[str, str] | None = None, mesh=None, weights_arith: str = "exact", **kw) -> "Engine":
         """Loads a registry model, and the assets of some methods through their records.
 
         Args:
@@ -76,10 +76,12 @@ class Engine:
             for the model), {"eagle": DIR} (`specjax train-heads --kind eagle`), {"draft": NAME}.
           mesh: a `("data", "model")` mesh (`specjax.sharding.make_mesh("data=4,model=2")`) to run
             on: weights tensor-parallel over `model`, batch rows over `data`; None = one device.
+          weights_arith: "exact" (HF's numbers) or "q8" (llama.cpp's arithmetic for GGUF weights kept
+            packed; `specjax.models.loader.load`).
         """
         from specjax.models import loader
 
-        lm = loader.load(name_or_path, dtype=dtype)
+        lm = loader.load(name_or_path, dtype=dtype, weights_arith=weights_arith)
         eng = cls(lm.model, lm.tokenizer, name=lm.config.name, weights_id=lm.weights_id, mesh=mesh, **kw)
         for method, path in (assets or {}).items():
             eng.load_asset(method, path)

@@ -6,7 +6,8 @@ profiler), so that a change of cost is measured op by op.
     python -m specjax.bench.experiments.step_cost                       # smollm2-135m, T = 1 and 5
     python -m specjax.bench.experiments.step_cost --windows 1,5,9 --at 500 --cache 1024 --ops
 
-Weight formats: "packed" (the GGUF blocks multiplied by the packed kernel) and "dequantized" (fp32).
+Weight formats: "packed" (the GGUF blocks multiplied by the packed kernel, exact), "packed-q8" (the same
+in llama.cpp's arithmetic, `weights_arith="q8"`) and "dequantized" (fp32).
 Attention: "kernel" (`specjax.models.cpu_attention`) or "xla" (`attention.attend`).
 """
 
@@ -87,7 +88,7 @@ def main(argv=None) -> None:
     p.add_argument("--windows", default="1,5", help="tokens per forward (1: a decode step; K + 1: a verify window)")
     p.add_argument("--at", type=int, default=200, help="the cache position the window starts at")
     p.add_argument("--cache", type=int, default=640, help="the cache's length (positions)")
-    p.add_argument("--formats", default="packed,dequantized")
+    p.add_argument("--formats", default="packed,packed-q8,dequantized")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--ops", action="store_true", help="also list each step's ops by kind (kernel attention)")
     a = p.parse_args(argv)
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     attention = ("kernel", "xla") if cpu_attention.available() else ("xla",)
     steps = {}
     for fmt in a.formats.split(","):
-        model = loader.load(a.model, weights=fmt).model
+        weights, _, arith = fmt.partition("-")
+        model = loader.load(a.model, weights=weights, weights_arith=arith or "exact").model
         for att in attention:
             for t in windows:
                 steps[(fmt, att, t)] = _Step(model, t, a.at, a.cache, att == "kernel")
