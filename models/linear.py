@@ -26,7 +26,9 @@ for up to 3 rows, else once per block of weight rows into a small fp32 scratch; 
 Q4_0/Q4_1/Q8_0, the same way, else a block at a time, into the scratch) and multiplies them in
 dense_nk's tiles, so its product is dense_nk's on the dequantized weight bit for bit, and a row is the
 same alone as in a window (tests/test_quant.py). Elsewhere the packed weight is dequantized in the graph
-and multiplied as above.
+and multiplied as above. A packed weight whose `arith` is "q8" (`ModelConfig.weights_arith`) is
+multiplied in llama.cpp's arithmetic instead, at every row count: the same kernel's integer path, or
+`quant.q8_product` in the graph (tests/test_quant_q8.py).
 """
 
 from __future__ import annotations
@@ -148,8 +150,9 @@ def _dense_packed(x, w, layout: str):
     if x.shape[-1] != k:
         raise ValueError(f"dense: x {tuple(x.shape)} and a packed {w.qtype} weight [N={n}, K={k}] do not contract")
     lead, m = x.shape[:-1], _rows(x)
-    q8 = w.arith == "q8" and w.qtype in quant.Q8_TYPES and m <= KERNEL_MAX_ROWS  # prefill stays exact
-    if _use_packed_kernel(m, x):
+    # q8 for every product of the weight whatever its rows (decode, verify, prefill): one arithmetic
+    q8 = w.arith == "q8" and w.qtype in quant.Q8_TYPES
+    if _use_packed_kernel(m, x, any_rows=q8):
         return qdense_nk_kernel(x.reshape(m, k), w.blocks, w.qtype, w.shape, arith="q8" if q8 else "exact"
                                 ).reshape(*lead, n)
     if q8:
@@ -158,10 +161,11 @@ def _dense_packed(x, w, layout: str):
     return dense(x, dq if check_layout(layout) == "nk" else dq.T, layout)
 
 
-def _use_packed_kernel(m: int, x) -> bool:
-    """One row too (the alternative writes the whole fp32 weight first); 1 to `KERNEL_MAX_ROWS` rows,
-    fp32, CPU, no mesh. A row's sums run in the same order for every row count."""
-    if not 1 <= m <= KERNEL_MAX_ROWS or x.dtype != jnp.float32:
+def _use_packed_kernel(m: int, x, any_rows: bool = False) -> bool:
+    """One row too (the alternative writes the whole fp32 weight first); 1 to `KERNEL_MAX_ROWS` rows
+    (`any_rows`: any count, for q8 arithmetic, which has no XLA equivalent on CPU), fp32, CPU, no mesh. A
+    row's sums run in the same order for every row count."""
+    if not (1 <= m <= KERNEL_MAX_ROWS or (any_rows and m >= 1)) or x.dtype != jnp.float32:
         return False
     from specjax import sharding
 

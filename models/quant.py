@@ -14,12 +14,11 @@ order is all there is to match.
 Block types (`BLOCKS`): bytes per block of `block` weights, as in ggml-common.h.
 
 Arithmetic (`ARITHS`, a model's `ModelConfig.weights_arith`): "exact" multiplies gguf's fp32 weights
-by the fp32 activations (HF's numbers). "q8" is llama.cpp's: the activations of a 1-33-row product
-(decoding, verify windows, trees) are rounded to int8 per 32 (`q8_activations`) and each block's dot is
+by the fp32 activations (HF's numbers). "q8" is llama.cpp's: the activations of every product (prefill,
+decoding, verify windows, trees) are rounded to int8 per 32 (`q8_activations`) and each block's dot is
 an integer one, scaled once (`q8_product`; the CPU kernel computes the same in its own summation order).
 It is not HF-identical; a row still computes the same alone as in a window, so plain decoding and
-speculation share it. It covers the 32-weight types (`Q8_TYPES`); K-quant weights and prefill's larger
-products stay exact.
+speculation share it. It covers the 32-weight types (`Q8_TYPES`); K-quant weights stay exact.
 """
 
 from __future__ import annotations
@@ -252,8 +251,14 @@ def q8_product(x, w: PackedWeight):
         raise ValueError(f"q8 arithmetic covers {', '.join(Q8_TYPES)}; {w.qtype} is multiplied exactly")
     q, dx = q8_activations(x)
     u, dw, mw = _q8_weights(w.blocks, w.qtype, w.shape)
-    isum = jnp.einsum("mgj,ngj->mng", q, u, preferred_element_type=jnp.int32)
-    y = jnp.einsum("mng,mg,ng->mn", isum.astype(jnp.float32), dx, dw)
-    if mw is not None:
-        y = y + jnp.einsum("mg,ng->mn", dx * q.sum(-1).astype(jnp.float32), mw)
-    return y
+    mw = jnp.zeros_like(dw) if mw is None else mw
+    xs = dx * q.sum(-1).astype(jnp.float32)
+
+    def block(y, g):  # one block of every row and output at a time: memory M x N, not M x N x blocks
+        qg, ug, dxg, dwg, mwg, xsg = g
+        isum = jnp.einsum("mj,nj->mn", qg, ug, preferred_element_type=jnp.int32).astype(jnp.float32)
+        return y + isum * (dxg[:, None] * dwg[None, :]) + xsg[:, None] * mwg[None, :], None
+
+    lead = lambda a: jnp.moveaxis(a, 1, 0)
+    y0 = jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.lax.scan(block, y0, (lead(q), lead(u), dx.T, dw.T, mw.T, xs.T))[0]

@@ -372,3 +372,15 @@ def test_auto_methods_cut_every_option_to_the_chosen(tiny_model):
     cut = specs.auto_controller(eng, ("ngram", "forced"))
     assert cut.extra == () and cut.methods == ("ngram", "forced")
     assert specs.auto_controller(eng, ("recycle",)).extra == every.extra
+
+
+def test_q8_arithmetic_on_a_model_it_cannot_take_is_one_clear_error(tmp_path, capsys):
+    """`--weights-arith q8` needs a GGUF kept packed: an HF directory is refused in one line, before any
+    weight is read."""
+    from specjax.cli import commands as cli
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert cli.main(["generate", "--model", str(tmp_path), "--weights-arith", "q8", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "weights_arith='q8'" in err and "an HF directory" in err, err

@@ -84,7 +84,8 @@ def engine_for(args, methods: Iterable[str] | Callable = (), *, loaded: Callable
     each through its record. `loaded` is called between the model and the assets (a memory split)."""
     from specjax.serving.engine import Engine
 
-    engine = Engine.load(args.model, dtype=args.dtype, mesh=mesh_arg(args), weights_arith=args.weights_arith)
+    engine = Engine.load(args.model, dtype=args.dtype, mesh=mesh_arg(args),
+                         weights_arith=getattr(args, "weights_arith", "exact"))
     if loaded is not None:
         loaded()
     load_assets(engine, args, methods(engine) if callable(methods) else methods)

@@ -1,8 +1,8 @@
 """How far "q8" arithmetic (`weights_arith="q8"`, llama.cpp's) moves a model from the exact one.
 
 For each prompt of a shipped set: the exact model's greedy continuation, then both arithmetics read
-prompt + continuation teacher-forced, 8 tokens a forward (verify-sized windows, where q8 applies to
-every product; the engine's prefill, 64+ rows, stays exact, so this over-states the difference there).
+prompt + continuation teacher-forced, 8 tokens a forward (a row computes the same in any window, so
+these are the logits decoding would see after the same tokens).
 Per continuation position: KL(exact || q8) of the next-token distributions, whether their top-1
 agree, and the largest logit difference. Also whether each prompt's free-running greedy output is the
 same in both.
