@@ -167,11 +167,13 @@ def test_smollm2_q8_speculation_equals_its_plain_loop_and_stays_near_exact(smoll
               "format: json\ncache:\n  size: 512\n  ttl: 60\n") * 2
     long_ids = lm.tokenizer.encode(f"Repeat this file exactly:\n{config}\nThe file:\n")
     assert len(long_ids) > 64
-    for prompt in (ids, long_ids):
-        (plain,) = eng.generate([prompt], max_new_tokens=24, stop_ids=())
-        (spec,) = eng.generate([prompt], max_new_tokens=24, stop_ids=(), spec=SpecConfig(method="ngram", k=4))
-        assert len(plain.tokens) == 24 and spec.tokens == plain.tokens
-        assert spec.tau > 1  # windows did accept drafts
+    plain = [eng.generate([p], max_new_tokens=24, stop_ids=())[0] for p in (ids, long_ids)]
+    (spec,) = eng.generate([long_ids], max_new_tokens=24, stop_ids=(), spec=SpecConfig(method="ngram", k=4))
+    assert len(plain[1].tokens) == 24 and spec.tokens == plain[1].tokens and spec.tau > 1
+    # both at once with 16 drafts: a verify window of 2 x 17 rows, past the 33 the exact kernel takes
+    both = eng.generate([ids, long_ids], max_new_tokens=24, stop_ids=(), spec=SpecConfig(method="ngram", k=16))
+    assert [r.tokens for r in both] == [r.tokens for r in plain]
+    assert max(r.tau for r in both) > 1
     q8 = padded_logits(lm.model, [ids])
     exact = padded_logits(loader.load(str(smollm2_path), weights="packed").model, [ids])
     assert not np.array_equal(q8, exact)  # the mode is in force
