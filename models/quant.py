@@ -256,7 +256,7 @@ def q8_product(x, w: PackedWeight):
 
     def block(y, g):  # one block of every row and output at a time: memory M x N, not M x N x blocks
         qg, ug, dxg, dwg, mwg, xsg = g
-        isum = jnp.einsum("mj,nj->mn", qg, ug, preferred_element_type=jnp.int32).astype(jnp.float32)
+        isum = jnp.einsum("mk,nk->mn", qg, ug, preferred_element_type=jnp.int32).astype(jnp.float32)
         return y + isum * (dxg[:, None] * dwg[None, :]) + xsg[:, None] * mwg[None, :], None
 
     lead = lambda a: jnp.moveaxis(a, 1, 0)
