@@ -13,6 +13,9 @@
 // count, and a row computes the same alone as in a window. Without AVX-512, Q4_0, Q4_1 and Q8_0 are
 // rebuilt 8 weights at a time with AVX2: in registers for up to 3 rows (`fused8_rows`), else into the
 // same chunks; other types by the scalar `dequant_block`.
+//
+// Attribute `mode` 1 is the fast mode (`weights_arith="q8"`, below): for the 32-weight types, x rounded
+// to int8 per block and integer dots, as llama.cpp computes; K-quant types stay exact.
 #include <cmath>
 #include <cstring>
 #if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
