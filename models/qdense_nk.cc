@@ -18,6 +18,7 @@
 // to int8 per block and integer dots, as llama.cpp computes; K-quant types stay exact.
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -719,17 +720,6 @@ void q8_tile(const XQ& xq, const uint8_t* __restrict w, float* __restrict y, int
     for (int r = 0; r < R; ++r) y[(m0 + i) * N + n + r] = q8_hsum256(acc[i][r]) + _mm_cvtss_f32(accm[i][r]);
 }
 
-template <int T, int R>
-void q8_rows_r(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n, int64_t rb) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) q8_tile<T, 4, R>(xq, w, y, K, N, n, rb, m);
-  switch (M - m) {
-    case 3: return q8_tile<T, 3, R>(xq, w, y, K, N, n, rb, m);
-    case 2: return q8_tile<T, 2, R>(xq, w, y, K, N, n, rb, m);
-    case 1: return q8_tile<T, 1, R>(xq, w, y, K, N, n, rb, m);
-  }
-}
-
 #if SPECJAX_Q8_512
 // With AVX-512 VNNI, two blocks a 512-bit vector (K / 32 even): one vpdpbusd per 64 weights and row,
 // the scales and the minima's terms as vectors (`XQ::d16`, `ds16`, `os16`)
@@ -795,40 +785,43 @@ void q8_tile512(const XQ& xq, const uint8_t* __restrict w, float* __restrict y, 
                                                          _mm512_extractf32x8_ps(acc[i][r], 1)));
 }
 
-// rows of x in tiles of at most 6 (24 accumulators for 4 weight rows), sizes balanced: a window of up
-// to 6 rows unpacks each weight block once
-template <int T, int R>
-void q8_rows512(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n, int64_t rb) {
-  const int64_t tiles = (M + 5) / 6;
+#endif
+
+// `tile(std::integral_constant<int, MT>, m0)` over the M rows of x in balanced tiles of at most MAX
+template <int MAX, int MT = MAX, class Tile>
+inline void q8_tile_of(int64_t mt, int64_t m0, Tile& tile) {
+  if constexpr (MT > 1)
+    if (mt < MT) return q8_tile_of<MAX, MT - 1>(mt, m0, tile);
+  tile(std::integral_constant<int, MT>{}, m0);
+}
+template <int MAX, class Tile>
+void q8_tiles(int64_t M, Tile tile) {
+  const int64_t tiles = (M + MAX - 1) / MAX;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t mt = (M - m + (tiles - t) - 1) / (tiles - t);
-    switch (mt) {
-      case 6: q8_tile512<T, 6, R>(xq, w, y, K, N, n, rb, m); break;
-      case 5: q8_tile512<T, 5, R>(xq, w, y, K, N, n, rb, m); break;
-      case 4: q8_tile512<T, 4, R>(xq, w, y, K, N, n, rb, m); break;
-      case 3: q8_tile512<T, 3, R>(xq, w, y, K, N, n, rb, m); break;
-      case 2: q8_tile512<T, 2, R>(xq, w, y, K, N, n, rb, m); break;
-      default: q8_tile512<T, 1, R>(xq, w, y, K, N, n, rb, m);
-    }
+    q8_tile_of<MAX>(mt, m, tile);
     m += mt;
   }
 }
-#endif
 
+// weight rows [n0, n1), 4 at a time, times every row of x: with AVX-512 VNNI and K / 32 even, two blocks
+// a vector in tiles of up to 6 rows of x (24 accumulators), else a block a vector in tiles of up to 4
 template <int T>
 void q8_typed_rows(const XQ& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
                    int64_t n1, int64_t rb) {
+  auto rows = [&](auto r, int64_t n) {
+    constexpr int R = decltype(r)::value;
 #if SPECJAX_Q8_512
-  if (xq.d16) {  // K / 32 even
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) q8_rows512<T, 4>(xq, w, y, M, K, N, n, rb);
-    for (; n < n1; ++n) q8_rows512<T, 1>(xq, w, y, M, K, N, n, rb);
-    return;
-  }
+    if (xq.d16) {
+      q8_tiles<6>(M, [&](auto mt, int64_t m0) { q8_tile512<T, decltype(mt)::value, R>(xq, w, y, K, N, n, rb, m0); });
+      return;
+    }
 #endif
+    q8_tiles<4>(M, [&](auto mt, int64_t m0) { q8_tile<T, decltype(mt)::value, R>(xq, w, y, K, N, n, rb, m0); });
+  };
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) q8_rows_r<T, 4>(xq, w, y, M, K, N, n, rb);
-  for (; n < n1; ++n) q8_rows_r<T, 1>(xq, w, y, M, K, N, n, rb);
+  for (; n + 4 <= n1; n += 4) rows(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
 }
 #endif
 

@@ -8,12 +8,11 @@ share the arithmetic); and a model loaded in q8 decodes the same greedy tokens p
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import padded_logits
-from test_quant import _bits, _random_blocks
+from test_quant import _bits, _random_blocks, packed_kernel  # noqa: F401 (a fixture)
 
 from specjax.methods.config import SpecConfig
 from specjax.models import linear, loader, quant
@@ -78,12 +77,6 @@ def test_q8_product_refuses_a_k_quant():
 def test_packed_weight_refuses_an_unknown_arith():
     with pytest.raises(ValueError, match="weights_arith='int4': use 'exact'.*or 'q8'"):
         quant.PackedWeight(jnp.zeros((1, 20), jnp.uint8), "Q4_1", (1, 32), "int4")
-
-
-@pytest.fixture(scope="module")
-def packed_kernel():
-    if jax.default_backend() != "cpu" or not linear.packed_kernel_available():
-        pytest.skip(f"the packed CPU kernel is not available here ({linear.packed_kernel_status()})")
 
 
 def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
