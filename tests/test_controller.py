@@ -130,6 +130,28 @@ def test_statistics_per_task_seed_new_rows():
     assert set(s) == {"translation", "mt_bench"} and s["translation"]["ngram"]["expected_tau"][8] > 4
 
 
+def test_a_kind_not_yet_tried_starts_from_its_class_evidence():
+    """A class whose text prompt lookup (its host replay) keeps little: a method never run there is
+    judged by that pooled evidence, so it is not run once at the prior's optimism (0.5: gain 1.59
+    here) to learn that it loses too; a class with no evidence still starts from the prior (the
+    control), another class's evidence does not leak in, and the probe still tries the method (the
+    cheapest option, untried: its bonus is whole)."""
+    other = SpecConfig(method="medusa", k=2)
+    cost = CostModel({**LIGHT.seconds, other: 1.1}, batch=1)
+    c = Controller(ControllerConfig(extra=(other,), probe_every=4, follow_costs=False), cost)
+    for row, task in (("q", "qa"), ("t", "translation"), ("n", "new")):
+        c.add_row(row, task=task)
+    c.observe("q", "ngram", [2, 1, 0, 0], steps=40)
+    c.observe("t", "ngram", [36, 33, 30, 27], steps=40)
+    pooled = (3 + 0.5 * 4) / (43 + 4)  # kept / tried over positions, shrunk to the prior by its weight
+    assert c.task_rates("qa", "medusa")[0] == pytest.approx((2 + pooled * 4) / (40 + 4))
+    assert c.gain(["q"], other) < 1.0 < c.gain(["n"], other) == pytest.approx(1.75 / 1.1)
+    assert c.task_rates("translation", "medusa")[0] > 0.8  # its own class's evidence, not qa's
+    plans = [c.choose(["q"]) for _ in range(6)]
+    assert [p.reason for p in plans[:4]] == [Reason.NO_GAIN] * 4
+    assert plans[4].reason == Reason.PROBE and plans[4].option == other
+
+
 def test_probe_after_plain_run_only_when_it_could_pay():
     cfg = ControllerConfig(probe_every=4, prior_weight=1.0)
     c = Controller(cfg, LIGHT)
@@ -245,18 +267,19 @@ def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():
 
 
 def test_an_option_its_prior_undersells_is_explored_then_chosen():
-    """Prompt lookup measured good, and a second method never run whose prior (0.5) loses to it: the
-    greedy choice would never run the second method. Every `explore_every` speculative chunks one
-    chunk explores the option of highest optimistic gain; once measured better, it is chosen. With
-    `explore_every=0` it is never run (the negative control)."""
+    """Prompt lookup measured good, and a dearer method never run whose prior (the class's pooled
+    evidence, prompt lookup's rates) loses to it: the greedy choice would never run the second
+    method. Every `explore_every` speculative chunks one chunk explores the option of highest
+    optimistic gain; once measured better, it is chosen. With `explore_every=0` it is never run
+    (the negative control)."""
     other = SpecConfig.make("recycle", k=8)
-    cost = CostModel({**LIGHT.seconds, other: 1.6}, batch=1)
+    cost = CostModel({**LIGHT.seconds, other: 2.0}, batch=1)
 
     def chosen(explore_every: int) -> list[Plan]:
         c = Controller(ControllerConfig(extra=(other,), explore_every=explore_every, follow_costs=False), cost)
         c.add_row("r")
         rng = np.random.default_rng(0)
-        c.observe("r", "ngram", trace(0.75, 8, 100, rng), 100)  # measured: gain ~2.3 against the prior's ~1.25
+        c.observe("r", "ngram", trace(0.75, 8, 100, rng), 100)  # measured: gain ~2.3 against the prior's ~1.85
         plans = []
         for _ in range(40):
             p = c.choose(["r"])

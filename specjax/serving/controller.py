@@ -10,7 +10,10 @@ The policy is plain host-side arithmetic over two measurements:
   speculative chunks, so a calibration skewed by a busy machine is corrected within two chunks;
 - a running acceptance estimate per row and per task class: for each draft position j, the rate
   at which draft j is accepted given that drafts 0..j-1 were. Each chunk's counters update it; old
-  evidence decays geometrically (an EMA), so the estimate follows a row whose text changes.
+  evidence decays geometrically (an EMA), so the estimate follows a row whose text changes. A
+  proposer not yet run on a class starts from the class's evidence of every proposer pooled (a
+  class nothing guesses well stays plain instead of running each proposer once to learn it), and
+  from `prior_alpha` only where the class has none.
 
 A step with K drafts then commits on average
 
@@ -67,8 +70,8 @@ class ControllerConfig:
         model's cache) go stale across plain chunks.
       margin: speculate only when the expected gain is at least 1 + margin.
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).
-      prior_alpha, prior_weight: the acceptance assumed before any evidence, worth this many
-        draft attempts.
+      prior_alpha, prior_weight: the acceptance assumed before any evidence of the class, worth
+        this many draft attempts.
       probe_every: after this many plain chunks in a row, probe once (see module docstring).
       plain_every: after this many speculative chunks at a batch size, one plain chunk measures
         plain's step cost there again (the costs follow the chunks that run; module docstring).
@@ -276,6 +279,7 @@ class Controller:
         self.config, self.cost = config, cost
         self.rows: dict[Hashable, dict] = {}
         self.tasks: dict[tuple[str | None, str], Acceptance] = {}
+        self._pooled: dict[str | None, Acceptance] = {}  # `class_evidence`, per task class
         self.plain_run = 0  # plain chunks chosen in a row
         self.spec_run = 0  # speculative chunks chosen for their gain since the last exploration
 
@@ -296,12 +300,25 @@ class Controller:
         d = self.config.decay
         r["acc"].setdefault(method, Acceptance()).update(accepted_per_position, steps, d)
         self.tasks.setdefault((r["task"], method), Acceptance()).update(accepted_per_position, steps, d)
+        self._pooled.pop(r["task"], None)
+
+    def class_evidence(self, task: str | None) -> Acceptance:
+        """The task class's evidence of every kind pooled: the prior of a kind not yet tried on it.
+        Text that one drafter cannot guess is seldom easy for another (prompt lookup's host replay
+        measures every chunk of a class for free), so a class where the kinds tried keep little
+        does not run each untried kind once at the prior's optimism to learn that it loses too;
+        the probe (`probe_every`) still tries them, the cheapest first."""
+        if task not in self._pooled:  # emptied by every observation
+            pooled = self._pooled[task] = Acceptance()
+            for (t, _), acc in self.tasks.items():
+                if t == task:
+                    pooled.tried += acc.tried
+                    pooled.kept += acc.kept
+        return self._pooled[task]
 
     def task_rates(self, task: str | None, method: str) -> np.ndarray:
         c = self.config
-        acc = self.tasks.get((task, method))
-        if acc is None:
-            return np.full(MAX_K, c.prior_alpha)
+        acc = self.tasks.get((task, method)) or self.class_evidence(task)
         rates = acc.rates(np.full(MAX_K, acc.alpha(c.prior_alpha, c.prior_weight)), c.prior_weight)
         for j in range(1, MAX_K):  # a position never tried: as the one before it (as geometric)
             if acc.tried[j] < 1e-6:
@@ -310,8 +327,8 @@ class Controller:
 
     def task_alpha(self, task: str | None, method: str) -> float:
         c = self.config
-        acc = self.tasks.get((task, method))
-        return acc.alpha(c.prior_alpha, c.prior_weight) if acc else c.prior_alpha
+        acc = self.tasks.get((task, method)) or self.class_evidence(task)
+        return acc.alpha(c.prior_alpha, c.prior_weight)
 
     def rates(self, row: Hashable, method: str, *, optimistic: bool = False) -> np.ndarray:
         """The row's conditional acceptance per draft position, its task's estimate as prior.
