@@ -1,6 +1,7 @@
 """The server's request surface beyond sampling: `prediction` (OpenAI's Predicted Outputs) with its
-usage counts, and a 400 naming every field that would change the answer and is not supported (never
-a silent drop), driven by the official `openai` client against a tiny model with a predict option."""
+usage counts, `logit_bias` under speculation, and a 400 naming every field that would change the answer
+and is not supported (never a silent drop), driven by the official `openai` client against a tiny model
+with a predict option."""
 
 import pytest
 from conftest import need_module
@@ -70,13 +71,38 @@ def test_a_wrong_prediction_changes_nothing_but_its_usage(client, answer):
 @pytest.mark.parametrize("field, value", [
     ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"), ("reasoning_effort", "low"), ("modalities", ["text", "audio"]),
-    ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}), ("n", 2), ("logprobs", True),
+    ("response_format", {"type": "json_object"}), ("n", 2), ("logprobs", True),
 ])
 def test_fields_that_would_change_the_answer_are_400s_naming_them(client, field, value):
     openai = need_module("openai")
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, **{field: value})
     assert e.value.body["param"] == field, e.value.body
+
+
+def test_logit_bias_biases_every_position_as_engine_generate_does(client, served, answer):
+    """A bias that bans the plain answer's first token and favours another, with the plain answer as
+    the prediction (the predict option verifies windows of it): the answer is `Engine.generate`'s
+    plain loop under the same bias, token for token, and not the unbiased one."""
+    openai = need_module("openai")
+    eng, (toks, text) = served[0], answer
+    bias = {str(toks[0]): -100, str(toks[1]): 5}
+    want = eng.generate([PROMPT], chat=True, max_new_tokens=MAX_TOKENS,
+                        logit_bias={int(k): v for k, v in bias.items()})[0].tokens
+    r = _chat(client, logit_bias=bias, prediction={"type": "content", "content": text},
+              extra_body={"return_token_ids": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == want and got != toks and toks[0] not in got
+    assert r.model_extra["metrics"]["speculative_decoding"]["chunks"].get("predict:4")
+    for bad, says in (({"x": 1}, "token ids are integers"), ({"5": 101}, "in [-100, 100]"),
+                      ({"999999": 1}, "a token id in [0, 64)")):
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, logit_bias=bad)
+        assert e.value.body["param"] == "logit_bias" and says in e.value.body["message"], e.value.body
+    for most in (0, 2):  # the scheduler's width (a server's --logit-bias)
+        sched = srv.scheduler_for(eng, method="none", slots=1, max_tokens=MAX_TOKENS, logit_bias=most)
+        with pytest.raises(ValueError, match=f"3 entries; this host takes at most {most}"):
+            sched.submit(PROMPT, logit_bias={1: 1, 2: 2, 3: 3})
 
 
 def test_unknown_fields_and_bad_predictions_are_400s(client, served):

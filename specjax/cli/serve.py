@@ -49,6 +49,9 @@ def _add_batch(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--constraint-classes", type=int, default=ConstraintLimits.classes,
                     help="the most token classes of one request's constraint (~210 for a 15-key config schema "
                          "on SmolLM2); 0: no pool")
+    sv.add_argument("--logit-bias", type=int, default=300,
+                    help="the most logit_bias entries a request may bring (each row carries that many, added "
+                         "to the target's logits at every position); 0: none, logit_bias gets 400")
 
 
 def _add_limits(sv: argparse.ArgumentParser) -> None:
@@ -82,9 +85,9 @@ def _check(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, tuple[int,
     for name in ("slots", "max_tokens", "max_prompt_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    for name in ("constraint_states", "constraint_classes"):
+    for name in ("constraint_states", "constraint_classes", "logit_bias"):
         if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 0 (0: no constraint pool)")
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 0 (0: none)")
     sizes = int_list(args.batch_sizes, "batch-sizes") if args.batch_sizes else None
     specs.spec_of(args, args.method, strict=True)
     specs.check_flags(args)
@@ -120,7 +123,7 @@ def _scheduler(args: argparse.Namespace, engine, chosen, sizes):
     return srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
                              max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
                              chunk=args.chunk, batch_sizes=sizes, controller=ccfg,
-                             constraint_pool=constraint_pool(args))
+                             constraint_pool=constraint_pool(args), logit_bias=args.logit_bias)
 
 
 def constraint_pool(args: argparse.Namespace) -> ConstraintLimits | None:

@@ -134,6 +134,27 @@ def _predictions(prediction, bucket, n: int, b: int):
     return jnp.asarray(pred), jnp.asarray(lengths)
 
 
+def _logit_biases(bias, width, n: int, b: int):
+    """(`[b, Lb]` token ids padded with -1, `[b, Lb]` values) of the rows' logit biases, checked
+    (`sampling.check_logit_bias`); (None, None) when there are none and no width is asked for."""
+    if bias is None and width is None:
+        return None, None
+    rows = [None] * n if bias is None else list(bias)
+    if len(rows) != n:
+        raise ValueError(f"logit_bias has {len(rows)} entries for {n} prompts: give one per prompt (None for none)")
+    rows = [sampling.check_logit_bias({} if r is None else r) for r in rows]
+    most = max((len(r) for r in rows), default=0)
+    lb = max(most, 1) if width is None else int(width)
+    if most > lb:
+        raise ValueError(f"a logit_bias of {most} tokens exceeds this host's {lb} per request: send fewer "
+                         "(or start the host with a larger logit_bias width)")
+    ids, values = np.full((b, lb), -1, np.int32), np.zeros((b, lb), np.float32)
+    for r, x in enumerate(rows):
+        ids[r, :len(x)] = list(x)
+        values[r, :len(x)] = list(x.values())
+    return jnp.asarray(ids), jnp.asarray(values)
+
+
 @struct.dataclass
 class Inputs:
     """Per-row inputs of a batch: all arrays, so new values never recompile."""
@@ -155,7 +176,7 @@ class Inputs:
                batch_size=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
                stop_ids: Sequence = (), seed=0, row_ids: Sequence | None = None, contribute=True,
                tenant=0, prediction: Sequence | None = None, prediction_bucket: int | None = None,
-               constraint=0) -> "Inputs":
+               constraint=0, logit_bias: Sequence | None = None, logit_bias_width: int | None = None) -> "Inputs":
         """Pads token-id prompts into a batch.
 
         Args:
@@ -178,6 +199,10 @@ class Inputs:
             alone, every row gets an empty prediction of that width.
           constraint: each row's slot in the decoder's constraint pool (`specjax.core.constraint`),
             0 for a free row; the decoder must carry a pool (`Decoder(constraints=...)`).
+          logit_bias: each row's bias (token id -> value in [-100, 100], or None for none), added to
+            the target's logits at every position (`sampling.biased`); None: no row has one.
+          logit_bias_width: the padded entries per row Lb (a host's fixed width, so that every bias
+            shares one program); default: the most any row gives. Given alone, no row is biased.
         """
         if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
                                                     for p in prompts):
@@ -232,12 +257,14 @@ class Inputs:
         if len(ids) < b:  # padding rows continue the ids
             ids += [max(ids) + 1 + i for i in range(b - len(ids))]
         pred, pred_len = _predictions(prediction, prediction_bucket, n, b)
+        bias_ids, bias_values = _logit_biases(logit_bias, logit_bias_width, n, b)
         return cls(
             prompts=jnp.asarray(tokens), prompt_lengths=jnp.asarray([len(x) for x in rows], jnp.int32),
             max_new=jnp.asarray(fill("max_new_tokens", 1), jnp.int32),
             sampling=SamplingParams(temperature=jnp.asarray(fill("temperature", 0.0), jnp.float32),
                                     top_k=jnp.asarray(fill("top_k", 0), jnp.int32),
-                                    top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32)),
+                                    top_p=jnp.asarray(fill("top_p", 1.0), jnp.float32),
+                                    bias_ids=bias_ids, bias_values=bias_values),
             stop_ids=jnp.asarray(stop), keys=row_keys(seed, ids[:b]),
             contribute=jnp.asarray(fill("contribute", False), bool),
             tenant=jnp.asarray(fill("tenant", 0), jnp.int32), prediction=pred, prediction_lengths=pred_len,
@@ -446,6 +473,7 @@ class Decoder:
             shared=Shared(forwards=jnp.zeros((), jnp.int32),
                           parts=shared_state.init(self.shared) if parts is None else parts),
             contribute=inputs.contribute, tenant=inputs.tenant)
+        logits = sampling.biased(logits, inputs.sampling)
         if self.constraints is not None:  # every automaton starts in state 0
             slot = jnp.zeros((b,), jnp.int32) if inputs.constraint is None else inputs.constraint.astype(jnp.int32)
             state = state.replace(constraint=slot, automaton=jnp.zeros((b,), jnp.int32))
@@ -545,7 +573,7 @@ class Decoder:
                                                   step_keys(state, salt=1))
         nodes, topo = tree.drafted(drafts, self.topology)
         out = verify(model, state, nodes, topo, self.taps)
-        logits = out.logits
+        logits = sampling.biased(out.logits, state.sampling)
         if self.constraints is not None:  # each slot masked by the state after the drafts before it
             states = self._walk(state, nodes, topo)
             logits = self._mask(state, states, logits)
@@ -593,10 +621,12 @@ def plain_step(model: Transformer, sampling_config: Sampling, state: DecodeState
 
 def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState,
            mask=None) -> tuple[DecodeState, Array]:
-    """The step and the target's logits (unmasked); `mask` maps logits [B, 1, V] to the masked ones."""
+    """The step and the target's logits as the model gave them (no logit_bias, no mask); `mask` maps the
+    biased logits [B, 1, V] to the masked ones."""
     pos = state.lengths - 1
     out = model(last_tokens(state)[:, None], pos[:, None], state.cache)
-    logits = out.logits if mask is None else mask(out.logits)
+    logits = sampling.biased(out.logits, state.sampling)
+    logits = logits if mask is None else mask(logits)
     nxt = sampling_config.draw(step_keys(state), logits[:, 0], state.sampling)
     return commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0], out.logits
 

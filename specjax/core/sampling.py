@@ -88,6 +88,10 @@ class SamplingParams:
     temperature: Float[Array, "B"]
     top_k: Int[Array, "B"]
     top_p: Float[Array, "B"]
+    # OpenAI's logit_bias: per row, token ids (padded with -1) and what each adds to the target's
+    # logits before any other processing (`biased`); None: no row has a bias. The width Lb is static.
+    bias_ids: Int[Array, "B Lb"] | None = None
+    bias_values: Float[Array, "B Lb"] | None = None
 
     @classmethod
     def create(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
@@ -96,6 +100,45 @@ class SamplingParams:
             top_k=jnp.full((batch,), top_k, jnp.int32),
             top_p=jnp.full((batch,), top_p, jnp.float32),
         )
+
+
+MAX_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+def check_logit_bias(bias, vocab: int | None = None) -> dict[int, float]:
+    """`bias` (token id -> value, ids as ints or their strings, as OpenAI's JSON sends them) as a dict
+    of ints to floats; one clear error for an id outside the vocabulary or a value outside
+    [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias={bias!r}: give a map from token id to a value in [-100, 100], "
+                         'e.g. {"1234": -100}')
+    out = {}
+    for k, v in bias.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {k!r}: token ids are integers (as strings in JSON)") from None
+        if t < 0 or (vocab is not None and t >= vocab) or str(t) != str(k).strip():
+            raise ValueError(f"logit_bias key {k!r}: a token id in [0, {vocab if vocab is not None else 'vocab'})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_BIAS <= v <= MAX_BIAS:
+            raise ValueError(f"logit_bias[{k!r}]={v!r}: a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        out[t] = float(v)
+    return out
+
+
+def biased(logits: Float[Array, "B *T V"], params: SamplingParams | None) -> Float[Array, "B *T V"]:
+    """`logits` with each row's logit_bias added at every position (as is without one): the
+    target's numbers every sampled and verified position of the plain and the speculative loop
+    start from, so speculation stays exact (greedy) and lossless (sampled) against the biased
+    target."""
+    if params is None or params.bias_ids is None:
+        return logits
+    b, v = logits.shape[0], logits.shape[-1]
+    flat = logits.reshape(b, -1, v)  # [B, T, V]: a scatter of B * T * Lb adds, not a dense [B, V] pass
+    ids = jnp.where(params.bias_ids >= 0, params.bias_ids, v)[:, None, :]  # padding falls outside: dropped
+    at = (jnp.arange(b)[:, None, None], jnp.arange(flat.shape[1])[None, :, None], ids)
+    flat = flat.at[at].add(params.bias_values.astype(logits.dtype)[:, None, :], mode="drop")
+    return flat.reshape(logits.shape)
 
 
 def validate(temperature: float, top_k: int, top_p: float) -> None:

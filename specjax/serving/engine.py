@@ -27,7 +27,7 @@ from specjax.core.constraint import PoolSpec
 from specjax import constrain
 from specjax.methods import registry
 from specjax.methods.predict.options import prediction_cap
-from specjax.core.sampling import Sampling
+from specjax.core.sampling import Sampling, check_logit_bias
 from specjax.serving.batch import (Batch, GenerateOptions, Result, _positive_int, _prompt_list,  # noqa: F401 (re-exported)
                                    _values)
 
@@ -271,13 +271,14 @@ class Engine:
               chat: bool = False, batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
               sampling_config: Sampling | None = None, row_offset: int = 0,
               cache_length: int | None = None, built: tuple | None = None,
-              prediction: Sequence | None = None, constraint: constrain.TokenTables | None = None) -> "Batch":
+              prediction: Sequence | None = None, constraint: constrain.TokenTables | None = None,
+              logit_bias: Sequence | None = None) -> "Batch":
         """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
 
         Row r's random stream is `fold_in(key(opts.seed), row_offset + r)`. Every check runs before
         anything is compiled, so bad input fails fast. `built`: `proposer(spec)`'s result, reused.
         `prediction`: each prompt's predicted output (see `generate`). `constraint`: the tables every
-        row's answer follows (`constraint_for`), or None.
+        row's answer follows (`constraint_for`), or None. `logit_bias`: each prompt's (see `generate`).
         """
         batch_size = _positive_int("batch_size", batch_size, none_means="one row per prompt")
         ids = self.check(prompts, opts, chat=chat)
@@ -299,17 +300,32 @@ class Engine:
         if constraint is not None and not self.stop_ids(opts):
             raise ValueError("a constrained answer needs a stop token to end it: give stop_ids (the model's EOS)")
         pick = lambda v: v if len(_values(v)) == 1 else list(v)
+        biases = self.logit_biases(logit_bias, len(ids))
         inputs = Inputs.create(ids, bucket=bucket, batch_size=b, max_new_tokens=opts.max_new_tokens,
                                temperature=pick(opts.temperature), top_k=pick(opts.top_k),
                                top_p=pick(opts.top_p), stop_ids=self.stop_ids(opts), seed=opts.seed,
                                row_ids=range(row_offset, row_offset + b),
                                prediction=predicted if cap is not None else None, prediction_bucket=cap,
-                               constraint=[int(constraint is not None)] * len(ids))
+                               constraint=[int(constraint is not None)] * len(ids), logit_bias=biases,
+                               logit_bias_width=None if biases is None else core.round_up_pow2(
+                                   max(1, *(len(x or ()) for x in biases))))
         inputs = sharding.place_inputs(inputs, self.mesh)
         pparams = sharding.place_pparams(pparams, self.mesh)
         parts = core.constraint_parts(dec, () if constraint is None else (constraint,), inputs)
         return Batch(self, dec, pparams, inputs, n_real=len(ids), method=spec.method, predictions=predicted,
                      parts=parts, constraint=constraint)
+
+    def logit_biases(self, logit_bias, n: int) -> list[dict[int, float] | None] | None:
+        """Each of `n` prompts' logit_bias, checked against the vocabulary (`sampling.check_logit_bias`):
+        `logit_bias` is one map for every prompt, one per prompt (None for none), or None."""
+        if logit_bias is None:
+            return None
+        rows = [logit_bias] * n if isinstance(logit_bias, dict) else list(logit_bias)
+        if len(rows) != n:
+            raise ValueError(f"logit_bias has {len(rows)} entries for {n} prompts: give one map for all, or one "
+                             "per prompt (None for none)")
+        rows = [None if not r else check_logit_bias(r, self.config.vocab_size) for r in rows]
+        return None if not any(rows) else rows
 
     def constraint_for(self, *, response_format: dict | None = None, regex: str | None = None,
                        choice: Sequence[str] | None = None) -> constrain.TokenTables | None:
@@ -337,7 +353,8 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False,
                  batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
                  prediction: Sequence | None = None, response_format: dict | None = None,
-                 regex: str | None = None, choice: Sequence[str] | None = None, **kw) -> list[Result]:
+                 regex: str | None = None, choice: Sequence[str] | None = None,
+                 logit_bias: dict | Sequence | None = None, **kw) -> list[Result]:
         """Generates for every prompt, in batches of `batch_size` (default: all at once).
 
         Args:
@@ -353,6 +370,9 @@ class Engine:
             them): OpenAI's `{"type": "json_schema", "json_schema": {"schema": {...}}}` or
             `{"type": "json_object"}` (compact JSON), a regular expression the whole answer matches,
             or a list of strings the answer is one of. The answer ends at a stop token once complete.
+          logit_bias: OpenAI's logit_bias (token id -> a value in [-100, 100], added to the target's
+            logits at every position, speculative ones included), one map for every prompt or one
+            per prompt (None for none).
           **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p (one value or one
             per prompt), seed, stop_ids. Prompt i draws the random stream of global row i.
         """
@@ -365,6 +385,7 @@ class Engine:
         ids = self.check(prompts, opts, chat=chat)  # every prompt tokenized once, validated before compiling
         predicted = self.encode_predictions(prediction, len(ids))
         constraint = self.constraint_for(response_format=response_format, regex=regex, choice=choice)
+        biases = self.logit_biases(logit_bias, len(ids))
         sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
         built = self.proposer(spec)  # validates the method (heads present, k in range, ...), once per call
         results: list[Result] = []
@@ -375,5 +396,6 @@ class Engine:
             results.extend(self.start(ids[i:i + b], sub, batch_size=batch_size and b,  # ids: not again
                                       spec=spec, row_offset=i, built=built,
                                       prediction=None if predicted is None else predicted[i:i + b],
-                                      constraint=constraint).run())
+                                      constraint=constraint,
+                                      logit_bias=None if biases is None else biases[i:i + b]).run())
         return results

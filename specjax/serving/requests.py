@@ -63,6 +63,7 @@ class Request:
     prediction: list[int] | None = None  # its predicted output (token ids), for method predict and the usage
     constraint: Any = None  # its constraint's tables (`specjax.constrain.TokenTables`) until it ends; None: free
     pool_slot: int = 0  # the constraint pool slot it holds while running (0: none, a free row)
+    logit_bias: dict[int, float] | None = None  # token id -> what it adds to the target's logits (None: none)
     status: Status = Status.QUEUED
     error: str | None = None  # why it failed
     slot: int | None = None

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import memory, sharding, telemetry
+from specjax.core import sampling
 from specjax.core.constraint import met as constraint_met
 from specjax.core.decoder import cache_length, check_max_new_tokens
 from specjax.methods.config import SpecConfig
@@ -112,6 +113,9 @@ class Scheduler:
       costs: for "auto", the cost models (`Scheduler.costs`) of an earlier scheduler of the same
         options, slots and batch sizes on this machine, used instead of calibrating again (repeated
         runs of one configuration then pay the calibration once).
+      logit_bias: the most logit_bias entries a request may bring (OpenAI's token id -> value);
+        every row then carries that many, added to the target's logits at every position
+        (`specjax.core.sampling.biased`). 0: none, and a biased request is refused at submit.
     """
 
     def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
@@ -120,7 +124,8 @@ class Scheduler:
                  ngram_table: int | None = None,
                  batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
                  history: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 costs: dict[int, CostModel] | None = None, constraint_pool: ConstraintLimits | None = None):
+                 costs: dict[int, CostModel] | None = None, constraint_pool: ConstraintLimits | None = None,
+                 logit_bias: int = 0):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
@@ -163,6 +168,9 @@ class Scheduler:
             self.shared = shared_state.union((*self.shared, pool))
         self._pool_slots = PoolSlots(self.b)  # which request holds which pool slot
         self.prediction_cap = prediction_cap(self.specs.values())  # rows' prediction buffer (None: none)
+        if isinstance(logit_bias, bool) or int(logit_bias) != logit_bias or logit_bias < 0:
+            raise ValueError(f"logit_bias={logit_bias}: the most entries a request may bring, an integer >= 0")
+        self.logit_bias = int(logit_bias) or None  # rows' logit_bias width (None: no row carries one)
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         if history is not None and (int(history) != history or history < 1):
@@ -197,7 +205,8 @@ class Scheduler:
                top_p: float | None = None, speculation: SpecConfig | None = None, tenant: int = 0,
                stop_ids: Sequence[int] = (), stream: int | None = None,
                prediction: str | Sequence[int] | None = None, response_format: dict | None = None,
-               regex: str | None = None, choice: Sequence[str] | None = None, constraint: Any = None) -> int:
+               regex: str | None = None, choice: Sequence[str] | None = None, constraint: Any = None,
+               logit_bias: dict | None = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
@@ -216,6 +225,8 @@ class Scheduler:
         answer follows (one of them; compiled here through `Engine.constraint_for`, cached), or
         `constraint`: tables already compiled (`specjax.constrain.TokenTables`; a server compiles
         them off its event loop). They need the scheduler's `constraint_pool` and a stop token.
+        `logit_bias`: token id -> value in [-100, 100], added to the target's logits at every
+        position; at most the scheduler's `logit_bias` entries.
         """
         m = check_max_new_tokens(self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                  most=self.opts.max_new_tokens,
@@ -248,18 +259,31 @@ class Scheduler:
                              "scheduler's predict option: shorten it, or raise the cap")
         tables = self.check_constraint(response_format=response_format, regex=regex, choice=choice,
                                        constraint=constraint, stop_ids=stops)
+        bias = self.check_logit_bias(logit_bias)
         seed = self.opts.seed if seed is None else seed
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
                       opt_out=opt_out, contribute=contribute and not opt_out, seed=seed,
                       speculation=speculation, tenant=tenant,
                       stop_ids=stops, stream=None if stream is None else int(stream), prediction=predicted,
-                      constraint=tables, **sp)
+                      constraint=tables, logit_bias=bias, **sp)
         req.inputs = self._inputs(req)  # validated once, at the core's boundary (Inputs.create); reused at insert
         self._next_id += 1
         self.requests.append(req)
         self.live[req.id] = req
         self.queue.append(req)
         return req.id
+
+    def check_logit_bias(self, bias: dict | None) -> dict[int, float] | None:
+        """A request's logit_bias checked (`sampling.check_logit_bias`) against the vocabulary and this
+        scheduler's width; None for none (or an empty one)."""
+        if not bias:
+            return None
+        bias = sampling.check_logit_bias(bias, self.engine.config.vocab_size)
+        most = self.logit_bias or 0
+        if len(bias) > most:
+            raise ValueError(f"logit_bias has {len(bias)} entries; this host takes at most {most} "
+                             "(Scheduler(logit_bias=N); a server: --logit-bias N)")
+        return bias
 
     def check_constraint(self, *, response_format: dict | None = None, regex: str | None = None,
                          choice: Sequence[str] | None = None, constraint: Any = None,
@@ -424,7 +448,8 @@ class Scheduler:
     def _placeholders(self, *, max_new: int) -> Inputs:
         """One-token rows: done at once with max_new 1 (the empty batch), still running with a large
         max_new and no stop ids (the calibration batch)."""
-        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new, prediction_bucket=self.prediction_cap)
+        return Inputs.create([[0]] * self.b, bucket=1, max_new_tokens=max_new, prediction_bucket=self.prediction_cap,
+                             logit_bias_width=self.logit_bias)
 
     def _insert_program(self, p: int):
         """The insert at prompt bucket `p`, compiled on a placeholder request (done at once)."""
@@ -438,7 +463,9 @@ class Scheduler:
                              seed=req.seed, row_ids=[max(req.id, 0) if req.stream is None else req.stream],
                              contribute=req.contribute, tenant=req.tenant,
                              prediction=None if self.prediction_cap is None else [req.prediction],
-                             prediction_bucket=self.prediction_cap, constraint=req.pool_slot)
+                             prediction_bucket=self.prediction_cap, constraint=req.pool_slot,
+                             logit_bias=None if self.logit_bias is None else [req.logit_bias],
+                             logit_bias_width=self.logit_bias)
 
     def calibrate(self, steps: int = 4, repeats: int = 3, *, size: int | None = None) -> CostModel:
         """Seconds per target step of every option, at batch size `size` (default: all slots), on

@@ -33,12 +33,14 @@ __all__ = ["MAX_BODY_BYTES", "ConstraintLimits", "End", "EngineThread", "Job", "
 def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | None = None, slots: int = 8,
                   max_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0,
                   chunk: int = 8, batch_sizes=None, controller: ControllerConfig | None = None,
-                  history: int = 4096, constraint_pool: ConstraintLimits | None = None) -> Scheduler:
+                  history: int = 4096, constraint_pool: ConstraintLimits | None = None,
+                  logit_bias: int = 300) -> Scheduler:
     """The scheduler a server runs: `method` "auto" (the controller; plain among its options),
     "none", or a fixed method (`spec`) with the plain loop compiled beside it, so that a request
     may say "speculation": "off". `temperature` > 0 compiles the sampled programs (and is each
     request's default); `history` bounds the request list and the chunk log; `constraint_pool`: the
-    largest constraint a request may bring (`response_format`, `regex`, `choice`; None: refused)."""
+    largest constraint a request may bring (`response_format`, `regex`, `choice`; None: refused);
+    `logit_bias`: the most logit_bias entries a request may bring (0: refused)."""
     opts = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature)
     if method == "auto":
         s = "auto"
@@ -48,7 +50,7 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
         s = spec or SpecConfig(method=method, k=4)
     return Scheduler(engine, slots=slots, spec=s, controller=controller, opts=opts, chunk=chunk,
                      max_prompt_tokens=max_prompt_tokens, batch_sizes=batch_sizes,
-                     with_plain=True, history=history, constraint_pool=constraint_pool)
+                     with_plain=True, history=history, constraint_pool=constraint_pool, logit_bias=logit_bias)
 
 
 def run(server: Server, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,

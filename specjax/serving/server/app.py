@@ -345,6 +345,11 @@ class Server:
             if s.prediction_cap is not None and len(kw["prediction"]) > s.prediction_cap:
                 raise bad(f"the prediction has {len(kw['prediction'])} tokens; this server's predict option takes "
                           f"at most {s.prediction_cap} (start it with a larger --prediction-cap)", "prediction")
+        if body.logit_bias:
+            try:
+                kw["logit_bias"] = s.check_logit_bias(body.logit_bias)
+            except ValueError as e:
+                raise bad(str(e), "logit_bias") from None
         tables = self._constraint(body, stop_ids)  # last: the one check that may take seconds
         if tables is not None:
             kw["constraint"] = tables

@@ -168,7 +168,6 @@ class CompletionRequest(_Common):
 UNSUPPORTED = {
     "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
     "presence_penalty": ((None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
-    "logit_bias": ((None, {}), "logit_bias is not supported yet: leave it out"),
     "tools": ((None, []), "tool calls are not supported: leave tools out"),
     "tool_choice": ((None, "none", "auto"), "tool calls are not supported: leave tool_choice out"),
     "functions": ((None, []), "function calls are not supported: leave functions out"),
