@@ -132,10 +132,11 @@ def dense_many(x, ws, layout: str) -> tuple:
     """`tuple(dense(x, w, layout) for w in ws)`: the products of one input with several weights (q/k/v,
     gate/up). Where the kernel applies they are one call (up to `MAX_PARTS` weights), whose work is
     split over the threads as one product's: the same results as separate calls, bit for bit, without
-    storing the weights concatenated (the params, loaders and mesh layout do not notice)."""
+    storing the weights concatenated (the params, loaders and mesh layout do not notice). Packed
+    weights of one block type and arithmetic are one call of the packed kernel alike."""
     ws = tuple(ws)
     if any(isinstance(w, quant.PackedWeight) for w in ws):
-        return tuple(dense(x, w, layout) for w in ws)
+        return _dense_packed_many(x, ws, layout)
     for w in ws:
         _check(x, w, layout)
     lead, k, m = x.shape[:-1], x.shape[-1], _rows(x)
@@ -159,6 +160,23 @@ def _dense_packed(x, w, layout: str):
         return quant.q8_product(x.reshape(m, k).astype(jnp.float32), w).astype(x.dtype).reshape(*lead, n)
     dq = w.dequantize()
     return dense(x, dq if check_layout(layout) == "nk" else dq.T, layout)
+
+
+def _dense_packed_many(x, ws, layout: str) -> tuple:
+    """`dense_many` where some weights are packed: one kernel call where all are of one block type and
+    arithmetic and the kernel takes them (as `_dense_packed` would each), else one product each."""
+    first = ws[0]
+    same = all(isinstance(w, quant.PackedWeight) and (w.qtype, w.arith, w.shape[1]) ==
+               (first.qtype, first.arith, first.shape[1]) for w in ws)
+    if not (same and 1 < len(ws) <= MAX_PARTS and x.shape[-1] == first.shape[1]):
+        return tuple(dense(x, w, layout) for w in ws)
+    lead, m = x.shape[:-1], _rows(x)
+    q8 = first.arith == "q8" and first.qtype in quant.Q8_TYPES
+    if not _use_packed_kernel(m, x, any_rows=q8):
+        return tuple(dense(x, w, layout) for w in ws)
+    ys = qdense_nk_kernels(x.reshape(m, x.shape[-1]), [w.blocks for w in ws], first.qtype, [w.shape for w in ws],
+                           arith="q8" if q8 else "exact")
+    return tuple(y.reshape(*lead, w.shape[0]) for y, w in zip(ys, ws))
 
 
 def _use_packed_kernel(m: int, x, any_rows: bool = False) -> bool:
@@ -402,20 +420,31 @@ def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str 
     dequantized weight. `arith="q8"`: llama.cpp's arithmetic (`quant.q8_product`'s values up to summation
     order) for the `quant.Q8_TYPES`, exact for the others. Raises if it is not available. `target`: a build
     from `register_packed_variant`."""
-    n, k = shape
+    return qdense_nk_kernels(x, (blocks,), qtype, (shape,), target, arith)[0]
+
+
+def qdense_nk_kernels(x, blocks, qtype: str, shapes, target: str = _QSYMBOL, arith: str = "exact") -> tuple:
+    """`qdense_nk_kernel` for 1..`MAX_PARTS` weights of one block type (`blocks[i]` of shape
+    `shapes[i]`), one kernel call: x quantized once (q8), the work split over the threads as one
+    product's; each result equals its own call bit for bit."""
+    blocks, shapes = tuple(blocks), tuple(shapes)
     mode = ("exact", "q8").index(quant.check_arith(arith))
     if qtype not in QTYPE_CODES:
         raise ValueError(f"specjax_qdense_nk: block type {qtype} is not one of {', '.join(QTYPE_CODES)}")
-    if x.ndim != 2 or x.shape[1] != k or x.dtype != jnp.float32 or blocks.dtype != jnp.uint8:
-        raise ValueError(f"specjax_qdense_nk: needs fp32 x [M, {k}] and uint8 blocks; got x {x.dtype} "
-                         f"{tuple(x.shape)}, blocks {blocks.dtype}")
+    if not 1 <= len(blocks) == len(shapes) <= MAX_PARTS:
+        raise ValueError(f"specjax_qdense_nk: takes 1 to {MAX_PARTS} weights, a shape each; got {len(blocks)} "
+                         f"and {len(shapes)}")
+    for b, (_, k) in zip(blocks, shapes):
+        if x.ndim != 2 or x.shape[1] != k or x.dtype != jnp.float32 or b.dtype != jnp.uint8:
+            raise ValueError(f"specjax_qdense_nk: needs fp32 x [M, {k}] and uint8 blocks; got x {x.dtype} "
+                             f"{tuple(x.shape)}, blocks {b.dtype}")
     if not packed_kernel_available():
         raise RuntimeError(f"specjax_qdense_nk is not available: {packed_kernel_status()}")
     import numpy as np
 
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, blocks, qtype=np.int32(QTYPE_CODES[qtype]),
-                                                                   mode=np.int32(mode))
+    outs = [jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n, _ in shapes]
+    return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
+        x, *blocks, qtype=np.int32(QTYPE_CODES[qtype]), mode=np.int32(mode)))
 
 
 if __name__ == "__main__":  # python -m specjax.models.linear: build ahead (e.g. right after install)

@@ -881,54 +881,82 @@ void q8_weight_rows(const XQ& xq, const uint8_t* w, float* y, int32_t type, int6
   q8_scalar_rows(xq, w, y, type, M, K, N, n0, n1);
 }
 
-struct QWork {
-  const float* x;
+// One x times up to kMaxParts packed weights of one block type (q/k/v, gate/up): one call, x quantized
+// once (q8), one split of the work over the threads, where separate calls would each pay the wake-up
+// and run the small ones (k and v) on one thread. Each row's sums are the same as alone.
+struct QPart {
   const uint8_t* w;
   float* y;
+  int64_t N, first;  // weight rows; index of its first block
+};
+
+struct QWork {
+  const float* x;
+  QPart parts[kMaxParts];
+  int nparts = 0;
   int32_t type;
-  int64_t M, K, N, block, nblocks;
+  int64_t M, K, block, nblocks;
   bool q8 = false;  // fast mode: x quantized in xq
   XQ xq;
   std::atomic<int64_t> next{0}, done{0};
   void run() {
     for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < nblocks;) {
-      int64_t n0 = b * block, n1 = std::min(n0 + block, N);
-      if (q8) q8_weight_rows(xq, w, y, type, M, K, N, n0, n1);
-      else qweight_rows(x, w, y, type, M, K, N, n0, n1);
+      int p = 0;
+      while (p + 1 < nparts && b >= parts[p + 1].first) ++p;
+      const QPart& q = parts[p];
+      int64_t n0 = (b - q.first) * block, n1 = std::min(n0 + block, q.N);
+      if (q8) q8_weight_rows(xq, q.w, q.y, type, M, K, q.N, n0, n1);
+      else qweight_rows(x, q.w, q.y, type, M, K, q.N, n0, n1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error QDenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                    ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t mode) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+ffi::Error QDenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                    int32_t qtype, int32_t mode) {
+  auto xd = x.dimensions();
+  const char* usage =
+      "specjax_qdense_nk: needs x [M, K] fp32, 1-4 weights uint8 [N_i, K / block * bytes] and y_i [M, N_i] fp32";
   if (qtype < Q4_0 || qtype > Q6_K) return ffi::Error::InvalidArgument("specjax_qdense_nk: unknown block type code");
   if (mode != 0 && mode != 1) return ffi::Error::InvalidArgument("specjax_qdense_nk: mode is 0 (exact) or 1 (q8)");
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
-      xd[1] % block_weights(qtype) != 0 || wd[1] != xd[1] / block_weights(qtype) * block_bytes(qtype))
-    return ffi::Error::InvalidArgument(
-        "specjax_qdense_nk: needs x [M, K] fp32, w uint8 [N, K / block * bytes] and y [M, N] fp32");
+  if (xd.size() != 2 || xd[1] % block_weights(qtype) != 0 || ws.size() < 1 || ws.size() > kMaxParts ||
+      ys.size() != ws.size())
+    return ffi::Error::InvalidArgument(usage);
   auto work = std::make_shared<QWork>();
   work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
   work->type = qtype;
   work->M = xd[0];
   work->K = xd[1];
-  work->N = wd[0];
-  if (work->M == 0 || work->N == 0) return ffi::Error::Success();
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(usage);
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
+        wd[1] != xd[1] / block_weights(qtype) * block_bytes(qtype))
+      return ffi::Error::InvalidArgument(usage);
+    work->parts[i] = QPart{w->typed_data(), (*y)->typed_data(), wd[0], 0};
+    total += wd[0];
+  }
+  work->nparts = static_cast<int>(ws.size());
+  if (work->M == 0 || total == 0) return ffi::Error::Success();
   work->q8 = mode == 1 && q8_type(qtype);
   if (work->q8) q8_quantize(work->x, work->M, work->K, qtype, work->xq);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // the same split as dense_nk's (in weight rows; the sums do not depend on it)
-  int64_t block = (work->N + 4 * threads - 1) / (4 * threads);
+  int64_t block = (total + 4 * threads - 1) / (4 * threads);
   block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
   block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
   work->block = block;
-  work->nblocks = (work->N + block - 1) / block;
-  int64_t work_units = work->N * work->K * std::max<int64_t>(8, work->M);
-  int64_t helpers = work_units < (int64_t(4) << 19) ? 0 : std::min(threads, work->nblocks) - 1;
+  int64_t nblocks = 0;
+  for (int p = 0; p < work->nparts; ++p) {
+    work->parts[p].first = nblocks;
+    nblocks += (work->parts[p].N + block - 1) / block;
+  }
+  work->nblocks = nblocks;
+  int64_t work_units = total * work->K * std::max<int64_t>(8, work->M);
+  int64_t helpers = work_units < (int64_t(4) << 19) ? 0 : std::min(threads, nblocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
@@ -941,7 +969,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_qdense_nk, QDenseNK,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("mode"));

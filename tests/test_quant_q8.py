@@ -8,6 +8,7 @@ share the arithmetic); and a model loaded in q8 decodes the same greedy tokens p
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,6 +131,28 @@ def test_avx2_and_scalar_builds_agree_bit_for_bit(packed_kernel):
             s = np.asarray(linear.qdense_nk_kernel(jnp.asarray(x), jnp.asarray(raw), qtype, (n, k), scalar, "q8"))
             np.testing.assert_array_equal(_bits(a), _bits(s), err_msg=f"{qtype}, {m} rows")
             _close(a, _oracle(x, raw, qtype, n, k), qtype)
+
+
+@pytest.mark.parametrize("arith", quant.ARITHS)
+def test_packed_weights_of_one_type_are_one_call_bit_for_bit(packed_kernel, arith):
+    """`dense_many` over packed q/k/v- and gate/up-like weights (one block type, ragged N) is one kernel
+    call (x quantized once in q8, one split over the threads) and gives each product's bits alone, for
+    1..33 rows; weights of different types are a call each (the same values)."""
+    rng = np.random.default_rng(7)
+    k = 96
+    ws = [quant.PackedWeight(jnp.asarray(_random_blocks("Q4_1", n, k, seed=n)), "Q4_1", (n, k), arith)
+          for n in (40, 13, 13)]
+    for m in (1, 2, 5, 9, 33):
+        x = jnp.asarray(_x(rng, m, k)).reshape(1, m, k)
+        many = linear.dense_many(x, ws, "nk")
+        for y, w in zip(many, ws):
+            np.testing.assert_array_equal(_bits(y), _bits(linear.dense(x, w, "nk")), err_msg=f"{arith}, {m} rows")
+    calls = str(jax.make_jaxpr(lambda x: linear.dense_many(x, ws, "nk"))(x)).count("ffi_call")
+    assert calls == 1, calls
+    mixed = ws[:1] + [quant.PackedWeight(jnp.asarray(_random_blocks("Q8_0", 13, k, seed=1)), "Q8_0", (13, k), arith)]
+    assert str(jax.make_jaxpr(lambda x: linear.dense_many(x, mixed, "nk"))(x)).count("ffi_call") == 2
+    for y, w in zip(linear.dense_many(x, mixed, "nk"), mixed):
+        np.testing.assert_array_equal(_bits(y), _bits(linear.dense(x, w, "nk")))
 
 
 def test_dense_in_q8_without_the_kernel_computes_it_in_the_graph(monkeypatch):
