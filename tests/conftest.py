@@ -94,7 +94,7 @@ def pytest_configure(config):
 # The longest file, started first: `make test` runs the suite on a worker per core (pytest-xdist,
 # `--dist loadfile --no-loadscope-reorder`: whole files, handed out in collection order), so it runs
 # beside the rest instead of after it. Duration from `make test --durations` on the 2-core machine.
-LONGEST_FIRST = ("tests/test_notebooks.py",)  # ~390 s: four notebooks through nbclient
+LONGEST_FIRST = ("tests/test_notebooks.py",)  # ~330 s in CI: four notebooks and the README example
 
 
 REAL_MODELS = {"smollm2_path", "gemma3_path"}  # the fixtures of the real models (below)

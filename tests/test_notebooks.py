@@ -57,7 +57,8 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     nbclient = need_module("nbclient")
     nb = nbformat.read(path, as_version=4)
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), "strip the outputs"
-    # per cell: acceptance_by_task's generation cell (24 generations) took 355 s on the quiet 2-core machine
+    # per cell: the longest, acceptance_by_task's generation cell (one batch per method), takes ~60 s here;
+    # the bound leaves room for a machine several times slower
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError, with the failing cell, on any error
