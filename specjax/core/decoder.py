@@ -456,9 +456,11 @@ class Decoder:
         if p + self.window > self.cache_length:
             raise ValueError(f"prompt bucket {p} + a window of {self.window} does not fit cache_length="
                              f"{self.cache_length}: size it with specjax.cache_length(bucket, max_new, window)")
-        cache = model.init_cache(b, self.cache_length, window=window)
-        # behind a barrier, as EAGLE's prompt pass does: known positions would make the masked-out
-        # scores against the empty cache a constant block, which XLA folds at compile time
+        # the empty cache and the positions behind a barrier, as EAGLE's prompt pass does: known, they
+        # make the masked-out scores against the empty cache (every ring entry unwritten, every slot
+        # past the window) a constant block, which XLA folds at compile time (Gemma 3 270M at bucket
+        # 1024: 45 s to compile its insert program)
+        cache = jax.lax.optimization_barrier(model.init_cache(b, self.cache_length, window=window))
         positions = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)))
         hidden, cache, tapped = model.features(inputs.prompts, positions, cache, taps=self.taps,
                                                kept=inputs.prompt_lengths)
