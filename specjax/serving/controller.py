@@ -316,9 +316,14 @@ class Controller:
                     pooled.kept += acc.kept
         return self._pooled[task]
 
+    def task_evidence(self, task: str | None, method: str) -> Acceptance:
+        """The class's evidence of kind `method`, or of every kind pooled while it has none."""
+        acc = self.tasks.get((task, method))
+        return self.class_evidence(task) if acc is None else acc
+
     def task_rates(self, task: str | None, method: str) -> np.ndarray:
         c = self.config
-        acc = self.tasks.get((task, method)) or self.class_evidence(task)
+        acc = self.task_evidence(task, method)
         rates = acc.rates(np.full(MAX_K, acc.alpha(c.prior_alpha, c.prior_weight)), c.prior_weight)
         for j in range(1, MAX_K):  # a position never tried: as the one before it (as geometric)
             if acc.tried[j] < 1e-6:
@@ -327,8 +332,7 @@ class Controller:
 
     def task_alpha(self, task: str | None, method: str) -> float:
         c = self.config
-        acc = self.tasks.get((task, method)) or self.class_evidence(task)
-        return acc.alpha(c.prior_alpha, c.prior_weight)
+        return self.task_evidence(task, method).alpha(c.prior_alpha, c.prior_weight)
 
     def rates(self, row: Hashable, method: str, *, optimistic: bool = False) -> np.ndarray:
         """The row's conditional acceptance per draft position, its task's estimate as prior.
