@@ -4,8 +4,8 @@ The policy is plain host-side arithmetic over two measurements:
 
 - a cost model per batch size: seconds per target step of the plain loop and of each speculative
   loop in the compiled set, timed at start-up at the batch's actual shape (batch size = load, cache
-  length) on the current machine (`Scheduler.calibrate`), then followed from the chunks that run
-  (`CostModel.observe`): an option that has run is judged by its own chunks against plain's, and
+  length) on the current machine (`calibrate`, on forks of the running batch), then followed from
+  the chunks that run (`CostModel.observe`): an option that has run is judged by its own chunks against plain's, and
   plain is measured at a batch size once chunks run there and again every `plain_every`
   speculative chunks, so a calibration skewed by a busy machine is corrected within two chunks;
 - a running acceptance estimate per row and per task class: for each draft position j, the rate
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import statistics
+import time
 from typing import Hashable, Protocol, Sequence
 
 import numpy as np
@@ -177,6 +179,39 @@ class CostModel:
         """Cost of one step of `option` in plain steps (at least 1 for a speculative option)."""
         r = self.step_seconds(option) / self.step_seconds(PLAIN)
         return r if option == PLAIN else max(1.0, r)
+
+
+class Forkable(Protocol):
+    """What calibration needs of a running batch (`specjax.core.slots.RunningBatch`)."""
+
+    def fork(self, inputs): ...  # a second batch of the same programs, prefilled from `inputs`
+
+    def run(self, loop, steps: int, *, size: int | None = None): ...  # a chunk; `.steps` it ran
+
+
+def calibrate(batch: Forkable, loops: dict[SpecConfig, Hashable], windows: dict[SpecConfig, int], busy, *,
+              cache_length: int, steps: int = 4, repeats: int = 3, size: int = 1) -> CostModel:
+    """The cost model at batch size `size`: seconds per target step of each option (`loops[o]`: the
+    batch's name of its loop, `windows[o]`: its verify window), timed on forks of `batch` prefilled
+    with `busy` (placeholder rows that never stop).
+
+    Options take turns (repeat 1 of each, then repeat 2, ...) so that drift on a busy machine spreads
+    over all of them; each turn starts from a fresh fork (the empty-batch program, cheap) and a
+    one-step warm-up, and the median per option is kept.
+    """
+    ts: dict[SpecConfig, list[float]] = {o: [] for o in loops}
+    for _ in range(repeats):
+        for o, loop in loops.items():
+            n = max(1, min(steps, (cache_length - 2) // windows[o] - 2))  # rows must not fill the cache
+            trial = batch.fork(busy)
+            trial.run(loop, 1, size=size)
+            t0 = time.perf_counter()
+            fwd = trial.run(loop, n, size=size).steps
+            seconds = time.perf_counter() - t0
+            if fwd:
+                ts[o].append(seconds / fwd)
+            del trial
+    return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()}, batch=size)
 
 
 def expected_tokens_rates(rates: Sequence[float], k: int) -> float:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -468,31 +467,12 @@ class Scheduler:
                              logit_bias_width=self.logit_bias)
 
     def calibrate(self, steps: int = 4, repeats: int = 3, *, size: int | None = None) -> CostModel:
-        """Seconds per target step of every option, at batch size `size` (default: all slots), on
-        this machine.
-
-        Times chunks of the compiled loops on batches of placeholder rows that never stop (a fork
-        of the running batch: the same programs). Options take turns (repeat 1 of each, then repeat
-        2, ...) so that drift on a busy machine spreads over all of them; each turn starts from a
-        fresh batch (the empty-batch program, cheap) and a one-step warm-up, and the median per
-        option is kept.
-        """
-        busy = self._placeholders(max_new=self.cache_length)
-        ts: dict[SpecConfig, list[float]] = {o: [] for o in self.options}
-        for _ in range(repeats):
-            for o in self.options:
-                w = self.decoders[o].window
-                n = max(1, min(steps, (self.cache_length - 2) // w - 2))  # rows must not fill the cache
-                trial = self.batch.fork(busy)
-                trial.run(self._key[o], 1, size=size)
-                t0 = time.perf_counter()
-                fwd = trial.run(self._key[o], n, size=size).steps
-                seconds = time.perf_counter() - t0
-                if fwd:
-                    ts[o].append(seconds / fwd)
-                del trial
-        return CostModel({o: statistics.median(t) if t else float("inf") for o, t in ts.items()},
-                         batch=size or self.b)
+        """Seconds per target step of every option at batch size `size` (default: all slots), on this
+        machine: `controller.calibrate` on forks of the running batch (the same programs)."""
+        return policy.calibrate(self.batch, {o: self._key[o] for o in self.options},
+                                {o: self.decoders[o].window for o in self.options},
+                                self._placeholders(max_new=self.cache_length), cache_length=self.cache_length,
+                                steps=steps, repeats=repeats, size=size or self.b)
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self, *, on_chunk: Callable[["Scheduler"], None] | None = None) -> list[Request]:
