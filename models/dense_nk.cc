@@ -205,6 +205,33 @@ struct Work {
   }
 };
 
+// Splits the weight rows of `work`'s parts (`W`: dense_nk's Work or qdense_nk's QWork) into blocks,
+// hands them out over the pool, runs them on this thread too and waits for the last.
+template <class W>
+void run_split(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t total) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // a few blocks per thread (load balance on a busy machine), each at least ~64 KiB of weights
+  int64_t block = (total + 4 * threads - 1) / (4 * threads);
+  block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
+  block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
+  work->block = block;
+  int64_t nblocks = 0;
+  for (int p = 0; p < work->nparts; ++p) {
+    work->parts[p].first = nblocks;
+    nblocks += (work->parts[p].N + block - 1) / block;
+  }
+  work->nblocks = nblocks;
+  // a product that takes less time than waking another thread can take runs here: weights under
+  // 1 MiB at up to 8 rows (memory-bound), and from 8 rows on as much work in FLOPs (compute-bound).
+  // Measured quiet (SmolLM2 forward, interleaved): against 2 MiB, 2-8% faster at 3-12 rows, where
+  // the 1.3 MB o projection now uses both threads; 512 KiB was no better.
+  int64_t work_units = total * work->K * std::max<int64_t>(8, work->M);
+  int64_t helpers = work_units < (int64_t(4) << 19) ? 0 : std::min(threads, nblocks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
+}
+
 ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
   auto xd = x.dimensions();
   const char* usage =
@@ -228,27 +255,7 @@ ffi::Error DenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   }
   work->nparts = static_cast<int>(ws.size());
   if (work->M == 0 || total == 0) return ffi::Error::Success();
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // a few blocks per thread (load balance on a busy machine), each at least ~64 KiB of weights
-  int64_t block = (total + 4 * threads - 1) / (4 * threads);
-  block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
-  block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
-  work->block = block;
-  int64_t nblocks = 0;
-  for (int p = 0; p < work->nparts; ++p) {
-    work->parts[p].first = nblocks;
-    nblocks += (work->parts[p].N + block - 1) / block;
-  }
-  work->nblocks = nblocks;
-  // a product that takes less time than waking another thread can take runs here: weights under
-  // 1 MiB at up to 8 rows (memory-bound), and from 8 rows on as much work in FLOPs (compute-bound).
-  // Measured quiet (SmolLM2 forward, interleaved): against 2 MiB, 2-8% faster at 3-12 rows, where
-  // the 1.3 MB o projection now uses both threads; 512 KiB was no better.
-  int64_t work_units = total * work->K * std::max<int64_t>(8, work->M);
-  int64_t helpers = work_units < (int64_t(4) << 19) ? 0 : std::min(threads, nblocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
+  run_split(pool, work, total);
   return ffi::Error::Success();
 }
 

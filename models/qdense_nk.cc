@@ -943,23 +943,7 @@ ffi::Error QDenseNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remainin
   if (work->M == 0 || total == 0) return ffi::Error::Success();
   work->q8 = mode == 1 && q8_type(qtype);
   if (work->q8) q8_quantize(work->x, work->M, work->K, qtype, work->xq);
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // the same split as dense_nk's (in weight rows; the sums do not depend on it)
-  int64_t block = (total + 4 * threads - 1) / (4 * threads);
-  block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
-  block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
-  work->block = block;
-  int64_t nblocks = 0;
-  for (int p = 0; p < work->nparts; ++p) {
-    work->parts[p].first = nblocks;
-    nblocks += (work->parts[p].N + block - 1) / block;
-  }
-  work->nblocks = nblocks;
-  int64_t work_units = total * work->K * std::max<int64_t>(8, work->M);
-  int64_t helpers = work_units < (int64_t(4) << 19) ? 0 : std::min(threads, nblocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->nblocks) std::this_thread::yield();
+  run_split(pool, work, total);  // dense_nk's split (in weight rows; the sums do not depend on it)
   return ffi::Error::Success();
 }
 

@@ -86,6 +86,13 @@ def traced(tiny_model):
     cfg = tiny_model.config
     head = EagleHead(EagleConfig.for_model(cfg, draft_vocab=cfg.vocab_size), rngs=nnx.Rngs(0))
     eng.set_asset("eagle", LoadedEagle(head, np.arange(cfg.vocab_size)))
+    return insert_jaxprs(eng, lambda: Scheduler(eng, slots=2, spec=SpecConfig(method="eagle", k=3),
+                                                opts=GenerateOptions(max_new_tokens=16), max_prompt_tokens=32))
+
+
+def insert_jaxprs(eng, scheduler) -> list:
+    """The traced jaxprs of the insert programs that `scheduler()` (built on `eng`) compiles for its
+    prompt buckets."""
     jaxprs = []
     program = eng.program
 
@@ -96,9 +103,7 @@ def traced(tiny_model):
         return program(fn, decoder, *args, weights=weights, **statics)
 
     eng.program = tracing
-    s = Scheduler(eng, slots=2, spec=SpecConfig(method="eagle", k=3), opts=GenerateOptions(max_new_tokens=16),
-                  max_prompt_tokens=32)
-    s.compile_buckets()
+    scheduler().compile_buckets()
     assert jaxprs
     return jaxprs
 
@@ -130,18 +135,7 @@ def test_a_ring_layers_prefill_reduces_nothing_known_at_compile_time():
     from test_kv_cache import CONFIG, random_model
 
     eng = Engine(random_model(CONFIG))
-    jaxprs = []
-    program = eng.program
-
-    def tracing(fn, decoder, *args, weights=True, **statics):
-        if fn is slots.insert_program:
-            kw = dict(statics) if decoder is None else dict(statics, static=decoder)
-            jaxprs.append(fn.trace(eng.graphdef, eng.params, *args, **kw).jaxpr)
-        return program(fn, decoder, *args, weights=weights, **statics)
-
-    eng.program = tracing
-    Scheduler(eng, slots=1, opts=GenerateOptions(max_new_tokens=8), max_prompt_tokens=32).compile_buckets()
-    assert jaxprs
-    for closed in jaxprs:
+    for closed in insert_jaxprs(eng, lambda: Scheduler(eng, slots=1, opts=GenerateOptions(max_new_tokens=8),
+                                                       max_prompt_tokens=32)):
         found = folded_reductions(closed.jaxpr, [True] * len(closed.jaxpr.invars))[1]
         assert not found, f"the insert program reduces blocks known at compile time: {found}"

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from conftest import full_logits
+from test_constrain_device import eng  # noqa: F401 (a fixture: the tiny model with every method's assets)
 from specjax.core import decoder as decoder_module
 from specjax.core import sampling
 from specjax.core.decoder import Decoder, Inputs, cache_length, new_tokens
@@ -22,27 +23,13 @@ from specjax.core.decoder import generate as specjax_generate
 from specjax.core.sampling import SamplingParams
 from specjax.methods.config import SpecConfig
 from specjax.methods.draft.record import DraftModel
-from specjax.methods.eagle.record import LoadedEagle
-from specjax.methods.medusa.record import LoadedHeads
-from specjax.models import config as model_config
 from specjax.models import loader
-from specjax.models.eagle import EagleConfig, EagleHead
-from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.serving.engine import Engine
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [11, 12, 13, 11, 12], [40, 41, 42, 43, 40, 41], [7, 7, 30]]
 # moderate values, so that the bias moves some argmaxes and not others; row 2 has none
 BIAS = [{12: 2.5, 9: -3.0, 30: 1.5}, {13: -100.0, 11: 4.0}, None, {7: 1.0, 30: 2.0, 31: -2.0, 40: 3.0}]
 BUCKET, NEW = 16, 14
-
-
-@pytest.fixture(scope="module")
-def eng(tiny_model):
-    cfg = tiny_model.config
-    heads = MedusaHeads(HeadsConfig.for_model(cfg, num_heads=4), base=tiny_model, rngs=nnx.Rngs(0))
-    head = EagleHead(EagleConfig.for_model(cfg, draft_vocab=64), rngs=nnx.Rngs(2))
-    return Engine(tiny_model, assets={"draft": DraftModel(loader.init_model(model_config.preset("tiny"), seed=1)),
-                                      "medusa": LoadedHeads(heads), "eagle": LoadedEagle(head, np.arange(64))})
 
 
 def _run(eng, spec, bias=BIAS, width=None):
