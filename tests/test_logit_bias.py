@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from conftest import full_logits
+from test_constrain_device import SPECS as CONSTRAINED_SPECS
 from test_constrain_device import eng  # noqa: F401 (a fixture: the tiny model with every method's assets)
 from specjax.core import decoder as decoder_module
 from specjax.core import sampling
@@ -63,13 +64,7 @@ def test_biased_greedy_follows_the_full_forward_plus_the_bias(eng, plain):
     assert _run(eng, None, width=8) == plain  # a wider (padded) bias is the same bias
 
 
-SPECS = {
-    "ngram": SpecConfig(method="ngram", k=4),
-    "draft": SpecConfig(method="draft", k=3),
-    "medusa_tree": SpecConfig.make("medusa", tree="small"),
-    "eagle_dynamic": SpecConfig.make("eagle", k=3, nodes=6, topk=2),
-    "recycle": SpecConfig(method="recycle", k=3),
-}
+SPECS = {name: spec for name, spec in CONSTRAINED_SPECS.items() if name != "forced"}  # forced drafts need a grammar
 
 
 @pytest.mark.parametrize("name", SPECS)
