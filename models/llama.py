@@ -19,7 +19,8 @@ Dimension alphabet, the one meaning of each letter in `specjax`'s type hints and
     sliding-window layer's ring entries (`specjax.models.kv_cache`), Q a row's predicted-output
     buffer (`specjax.methods.predict`), Cs constraint pool slots, Sa a constraint automaton's states,
     Ca its token classes, Kc forced tokens kept per automaton state (`specjax.core.constraint`),
-    Lb a row's logit_bias entries (`specjax.core.sampling`).
+    Lb a row's logit_bias entries (`specjax.core.sampling`), Tl top alternatives recorded per
+    generated token (`top_logprobs`, `specjax.core.logprobs`).
 Einsum subscripts are single letters: kv heads (Kv) are written C there, the output side of a
 square [D, D] weight O, and a vocabulary subset V; lowercase m, n, k are a plain matmul's rows,
 columns and contraction (`specjax.models.linear`), outside the alphabet.

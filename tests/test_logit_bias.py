@@ -1,13 +1,20 @@
-"""logit_bias inside the loop (`sampling.biased`): added to the target's logits at the prefill's token,
-at every verified position and at the bonus, in the plain loop too (the oracle).
+"""logit_bias and logprobs inside the loop.
 
-Greedy biased output follows argmax(full forward + bias) at every position (an independent oracle),
-every method equals the biased plain loop token for token, and sampled output follows the biased
-target's distribution, where a loop that leaves the bias out of its verify window fails the same
-test (the negative control).
+logit_bias (`sampling.biased`) is added to the target's logits at the prefill's token, at every
+verified position and at the bonus, in the plain loop too (the oracle). Greedy biased output follows
+argmax(full forward + bias) at every position (an independent oracle), every method equals the
+biased plain loop token for token, and sampled output follows the biased target's distribution,
+where a loop that leaves the bias out of its verify window fails the same test (the negative control).
+
+The same runs record logprobs (`Decoder(logprobs=N)`, `specjax.core.logprobs`): each token's
+log-probability and its position's top N under the target's raw logits (no bias), equal to the full
+forward's at every position, for the plain loop and every method, greedy and sampled; a loop that
+reads a verified token's scores at the wrong window slot fails the same check.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +26,8 @@ from test_constrain_device import SPECS as CONSTRAINED_SPECS
 from test_constrain_device import eng  # noqa: F401 (a fixture: the tiny model with every method's assets)
 from specjax.core import decoder as decoder_module
 from specjax.core import sampling
-from specjax.core.decoder import Decoder, Inputs, cache_length, new_tokens
+from specjax.core import state as state_module
+from specjax.core.decoder import Decoder, Inputs, cache_length, new_tokens, token_logprobs
 from specjax.core.decoder import generate as specjax_generate
 from specjax.core.sampling import SamplingParams
 from specjax.methods.config import SpecConfig
@@ -31,14 +39,46 @@ PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [11, 12, 13, 11, 12], [40, 41, 42, 43, 40
 # moderate values, so that the bias moves some argmaxes and not others; row 2 has none
 BIAS = [{12: 2.5, 9: -3.0, 30: 1.5}, {13: -100.0, 11: 4.0}, None, {7: 1.0, 30: 2.0, 31: -2.0, 40: 3.0}]
 BUCKET, NEW = 16, 14
+TOP = 3  # top logprobs recorded per position
 
 
-def _run(eng, spec, bias=BIAS, width=None):
+def _run(eng, spec, bias=BIAS, width=None, logprobs=TOP):
+    """(each row's new tokens, their recorded logprobs as `_arrays`, or None without `logprobs`)."""
     proposer, pparams = eng.proposer(spec) if spec else (None, None)
     window = 1 if proposer is None else Decoder(proposer=proposer, cache_length=64).window
-    dec = Decoder(cache_length=cache_length(BUCKET, NEW, window), proposer=proposer)
+    dec = Decoder(cache_length=cache_length(BUCKET, NEW, window), proposer=proposer, logprobs=logprobs)
     inputs = Inputs.create(PROMPTS, bucket=BUCKET, max_new_tokens=NEW, logit_bias=bias, logit_bias_width=width)
-    return new_tokens(specjax_generate(eng.model, inputs, decoder=dec, pparams=pparams))
+    state = specjax_generate(eng.model, inputs, decoder=dec, pparams=pparams)
+    return new_tokens(state), None if logprobs is None else _arrays(state)
+
+
+def _arrays(state) -> list[SimpleNamespace]:
+    """Each row's `token_logprobs` records as arrays: chosen [n], top_ids [n, TOP], top_values [n, TOP]."""
+    return [SimpleNamespace(chosen=np.array([e.logprob for e in row]),
+                            top_ids=np.array([[i for i, _ in e.top] for e in row]).reshape(len(row), -1),
+                            top_values=np.array([[v for _, v in e.top] for e in row]).reshape(len(row), -1))
+            for row in token_logprobs(state)]
+
+
+def _raw_log_softmax(model, prompts, answers) -> list[np.ndarray]:
+    """The full forward's log-softmax at each answer token's position (no bias): the logprobs oracle."""
+    from scipy.special import log_softmax
+
+    graphdef, params = nnx.split(model)
+    out = []
+    for prompt, toks in zip(prompts, answers):
+        logits = np.asarray(full_logits(graphdef, params, jnp.asarray([list(prompt) + list(toks)])), np.float64)
+        out.append(log_softmax(logits[0, len(prompt) - 1: len(prompt) - 1 + len(toks)], axis=-1))
+    return out
+
+
+def _check_logprobs(model, prompts, answers, recorded, atol=2e-4):
+    for r, (lp, toks, rec) in enumerate(zip(_raw_log_softmax(model, prompts, answers), answers, recorded)):
+        assert rec.chosen.shape == (len(toks),), r
+        np.testing.assert_allclose(rec.chosen, lp[np.arange(len(toks)), toks], atol=atol, err_msg=f"row {r}")
+        best = np.sort(lp, axis=-1)[:, ::-1][:, : rec.top_ids.shape[1]]
+        np.testing.assert_allclose(rec.top_values, best, atol=atol, err_msg=f"row {r}")
+        np.testing.assert_allclose(np.take_along_axis(lp, rec.top_ids, axis=-1), best, atol=atol, err_msg=f"row {r}")
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +87,10 @@ def plain(eng):
 
 
 def test_biased_greedy_follows_the_full_forward_plus_the_bias(eng, plain):
-    free = _run(eng, None, bias=None)
+    free, _ = _run(eng, None, bias=None, logprobs=None)
     graphdef, params = nnx.split(eng.model)
     moved = 0
-    for r, (prompt, toks) in enumerate(zip(PROMPTS, plain)):
+    for r, (prompt, toks) in enumerate(zip(PROMPTS, plain[0])):
         seq = jnp.asarray([prompt + toks])
         logits = np.asarray(full_logits(graphdef, params, seq))[0, len(prompt) - 1:-1]
         add = np.zeros(logits.shape[-1], np.float32)
@@ -58,10 +98,17 @@ def test_biased_greedy_follows_the_full_forward_plus_the_bias(eng, plain):
             add[t] = v
         assert toks == np.argmax(logits + add, axis=-1).tolist(), r
         moved += toks != free[r]
-    assert plain[2] == free[2]  # the row without a bias decodes as in a batch without any
+    assert plain[0][2] == free[2]  # the row without a bias decodes as in a batch without any
     assert moved >= 2, "the bias should change some rows' answers, or the test proves little"
-    assert 13 not in plain[1]  # -100 bans a token
-    assert _run(eng, None, width=8) == plain  # a wider (padded) bias is the same bias
+    assert 13 not in plain[0][1]  # -100 bans a token
+    assert _run(eng, None, width=8, logprobs=None)[0] == plain[0]  # a wider (padded) bias is the same bias
+
+
+def test_plain_logprobs_are_the_full_forwards(eng, plain):
+    toks, recorded = plain
+    _check_logprobs(eng.model, PROMPTS, toks, recorded)
+    assert any(rec.top_ids[i, 0] != t for rec, row in zip(recorded, toks) for i, t in enumerate(row)), \
+        "the bias should pick tokens the raw distribution ranks lower, or raw and biased look alike"
 
 
 SPECS = {name: spec for name, spec in CONSTRAINED_SPECS.items() if name != "forced"}  # forced drafts need a grammar
@@ -69,7 +116,12 @@ SPECS = {name: spec for name, spec in CONSTRAINED_SPECS.items() if name != "forc
 
 @pytest.mark.parametrize("name", SPECS)
 def test_every_method_equals_biased_plain(eng, plain, name):
-    assert _run(eng, SPECS[name]) == plain
+    toks, recorded = _run(eng, SPECS[name])
+    assert toks == plain[0]
+    for rec, ref in zip(recorded, plain[1]):  # the same scores as plain's, position by position
+        np.testing.assert_allclose(rec.chosen, ref.chosen, atol=1e-5)
+        np.testing.assert_allclose(rec.top_values, ref.top_values, atol=1e-5)
+        np.testing.assert_array_equal(rec.top_ids, ref.top_ids)
 
 
 def test_bad_biases_are_refused_by_name():
@@ -144,16 +196,25 @@ def test_sampling_with_a_bias_follows_the_biased_target(setting, monkeypatch):
     inputs = Inputs.create([PROMPT] * n, max_new_tokens=NEW16, seed=11 + len(setting), logit_bias=[bias] * n, **opts)
 
     def sample(s=64):  # another cache length: another program, traced anew
-        dec = Decoder(proposer=proposer, sampling="sample", cache_length=s)
+        dec = Decoder(proposer=proposer, sampling="sample", cache_length=s, logprobs=2)
         state = specjax_generate(target, inputs, decoder=dec, pparams=pparams)
         toks = np.array(new_tokens(state))
         assert toks.shape == (n, NEW16)
-        return toks, state.stats
+        return toks, state
 
-    toks, st = sample()
+    toks, state = sample()
     assert 5 not in toks
     assert _pvalue(toks, dist) > 1e-3
-    assert 0 < int(st.accepted.sum()) < int(st.drafted.sum())
+    assert 0 < int(state.stats.accepted.sum()) < int(state.stats.drafted.sum())
+    # sampled tokens, some drafts rejected: each token's logprobs are its position's in the full forward
+    rows = slice(0, 48)
+    _check_logprobs(target, [PROMPT] * 48, toks[rows].tolist(), _arrays(state)[rows])
+    with monkeypatch.context() as m:  # negative control: a verified token scored at its parent's parent slot
+        shifted = lambda st, logits, tokens: state_module.scored(jnp.roll(logits, 1, axis=1), tokens, st.logprobs.top)
+        m.setattr(state_module, "scores_of", shifted)
+        wrong_toks, wrong = sample(s=66)
+        with pytest.raises(AssertionError):
+            _check_logprobs(target, [PROMPT] * 48, wrong_toks[rows].tolist(), _arrays(wrong)[rows])
     monkeypatch.setattr(decoder_module.sampling, "biased", _window_unbiased)  # the negative control
     broken, _ = sample(s=65)
     assert _pvalue(broken, dist) < 1e-6

@@ -10,7 +10,7 @@ PACKAGES = ("specjax", "models", "train_heads")  # models/ is specjax.models
 # The alphabet of type hints (see the docstring of specjax.models.llama for each name's meaning).
 DIMS = {"B", "T", "S", "N", "G", "Kv", "H", "D", "F", "V", "L", "K",
         "W", "P", "E", "A", "R", "M", "Vd", "Df", "Z", "Ng", "Kf", "Sr", "Kt", "Q",
-        "Cs", "Sa", "Ca", "Kc", "Lb"}
+        "Cs", "Sa", "Ca", "Kc", "Lb", "Tl"}
 # Einsum subscripts are single letters: the single-letter names above, C for Kv, O for the output
 # side of a square [D, D] weight; lowercase letters are a plain matmul's m, n, k.
 EINSUM = {d for d in DIMS if len(d) == 1} | {"C", "O"} | set("mnk")

@@ -216,7 +216,7 @@ def test_bad_requests_are_rejected_before_any_compile(served, client):
         (json.dumps({"model": MODEL, "messages": msg, "speculation": "sometimes"}), 400, "speculation"),
         (json.dumps({"model": MODEL}), 400, "messages"),
         (json.dumps({"model": MODEL, "messages": msg, "top_p": 0}), 400, "top_p"),
-        (json.dumps({"model": MODEL, "messages": msg, "logprobs": True}), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "messages": msg, "logprobs": True, "top_logprobs": 21}), 400, "top_logprobs"),
         (json.dumps({"model": MODEL, "messages": msg, "n": 2}), 400, "n"),
     ]
     for body, status, param in cases:

@@ -1,5 +1,5 @@
 """The server's request surface beyond sampling: `prediction` (OpenAI's Predicted Outputs) with its
-usage counts, `logit_bias` under speculation, and a 400 naming every field that would change the answer
+usage counts, `logit_bias` and `logprobs` under speculation, and a 400 naming every field that would change the answer
 and is not supported (never a silent drop), driven by the official `openai` client against a tiny model
 with a predict option."""
 
@@ -9,6 +9,7 @@ from tiny_server import MAX_TOKENS, MODEL, running, shared_engine
 
 from specjax.methods.config import SpecConfig
 from specjax.serving import server as srv
+from specjax.serving.server import logprobs
 
 PROMPT = "abc abc abc"
 
@@ -71,7 +72,7 @@ def test_a_wrong_prediction_changes_nothing_but_its_usage(client, answer):
 @pytest.mark.parametrize("field, value", [
     ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"), ("reasoning_effort", "low"), ("modalities", ["text", "audio"]),
-    ("response_format", {"type": "json_object"}), ("n", 2), ("logprobs", True),
+    ("response_format", {"type": "json_object"}), ("n", 2),
 ])
 def test_fields_that_would_change_the_answer_are_400s_naming_them(client, field, value):
     openai = need_module("openai")
@@ -103,6 +104,53 @@ def test_logit_bias_biases_every_position_as_engine_generate_does(client, served
         sched = srv.scheduler_for(eng, method="none", slots=1, max_tokens=MAX_TOKENS, logit_bias=most)
         with pytest.raises(ValueError, match=f"3 entries; this host takes at most {most}"):
             sched.submit(PROMPT, logit_bias={1: 1, 2: 2, 3: 3})
+
+
+def _top(entry) -> list[tuple[str, float]]:
+    return [(t.token, t.logprob) for t in entry.top_logprobs]
+
+
+def test_logprobs_are_engine_generates_under_speculation(client, served, answer):
+    """Chat (`logprobs`, `top_logprobs`), streamed or not, and completions (`logprobs: n`), with the
+    answer as the prediction (the predict option's verify windows score most tokens): each token's
+    entry is `Engine.generate(logprobs=)`'s plain-loop record, spelled by the tokenizer."""
+    openai = need_module("openai")
+    eng, (toks, text) = served[0], answer
+    fmt = logprobs.Formatter(eng.tokenizer)
+    want = eng.generate([PROMPT], chat=True, max_new_tokens=MAX_TOKENS, logprobs=3)[0]
+    assert want.tokens == toks
+    r = _chat(client, logprobs=True, top_logprobs=3, prediction={"type": "content", "content": text})
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0  # windows ran
+    got = r.choices[0].logprobs.content
+    assert [e.token for e in got] == [fmt.text_of(t) for t in toks]
+    assert [e.bytes for e in got] == [list(fmt.bytes_of(t)) for t in toks]
+    for e, w in zip(got, want.logprobs, strict=True):
+        assert e.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert _top(e) == [(fmt.text_of(i), pytest.approx(v, abs=1e-4)) for i, v in w.top]
+    streamed = [e for c in _chat(client, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, _top(e)) for e in streamed] == [(e.token, _top(e)) for e in got]
+    assert _chat(client, logprobs=False).choices[0].logprobs is None
+
+    plain = eng.generate([PROMPT], max_new_tokens=MAX_TOKENS, logprobs=2)[0]
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, logprobs=2).choices[0]
+    lp = c.logprobs
+    assert lp.tokens == [fmt.text_of(t) for t in plain.tokens]
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in plain.logprobs], abs=1e-4)
+    assert [list(d) for d in lp.top_logprobs] == [[fmt.text_of(i) for i, _ in w.top] for w in plain.logprobs]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+    for kw, field in [(dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                      (dict(logprobs=2), "logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, **kw)
+        assert e.value.body["param"] == field, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=21)
+    assert e.value.body["param"] == "logprobs" and "at most 20" in e.value.body["message"]
+    sched = srv.scheduler_for(eng, method="none", slots=1, max_tokens=MAX_TOKENS, logprobs=None)
+    with pytest.raises(ValueError, match="records at most None"):
+        sched.submit(PROMPT, top_logprobs=0)
 
 
 def test_unknown_fields_and_bad_predictions_are_400s(client, served):

@@ -52,6 +52,20 @@ def _add_batch(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--logit-bias", type=int, default=300,
                     help="the most logit_bias entries a request may bring (each row carries that many, added "
                          "to the target's logits at every position); 0: none, logit_bias gets 400")
+    sv.add_argument("--logprobs", type=_top_or_off, default=20, metavar="N|off",
+                    help="the most alternatives per token a request may ask for with logprobs (0..20; every "
+                         "row records its tokens' log-probabilities, ~1%% of a step); off: none, logprobs get 400")
+
+
+def _top_or_off(value: str) -> int | None:
+    from specjax.core.logprobs import check_top
+
+    if value == "off":
+        return None
+    try:
+        return check_top(int(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: give an integer in [0, 20], or off ({e})") from None
 
 
 def _add_limits(sv: argparse.ArgumentParser) -> None:
@@ -123,7 +137,8 @@ def _scheduler(args: argparse.Namespace, engine, chosen, sizes):
     return srv.scheduler_for(engine, method=args.method, spec=spec, slots=args.slots, max_tokens=args.max_tokens,
                              max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
                              chunk=args.chunk, batch_sizes=sizes, controller=ccfg,
-                             constraint_pool=constraint_pool(args), logit_bias=args.logit_bias)
+                             constraint_pool=constraint_pool(args), logit_bias=args.logit_bias,
+                             logprobs=args.logprobs)
 
 
 def constraint_pool(args: argparse.Namespace) -> ConstraintLimits | None:

@@ -51,13 +51,14 @@ from specjax.core import constraint as constraints_
 from specjax.core import sampling
 from specjax.core import shared as shared_state
 from specjax.core import tree
+from specjax.core.logprobs import Logprobs, TokenLogprob, check_top, entries
 from specjax.core.proposer import Proposer
 from specjax.models.transformer import Output, Transformer
 from specjax.core.sampling import Sampling, SamplingParams
 from specjax.core.constraint import PoolSpec
 from specjax.core.shared import Observed, SharedSpec
 from specjax.core.state import (AnyArray, DecodeState, Shared, commit, commit_path, insert_row, last_tokens,
-                                step_keys, tick)
+                                scores_of, step_keys, tick)
 
 MAX_STOP_IDS = 8
 RUN_TO_END = np.iinfo(np.int32).max
@@ -363,6 +364,9 @@ class Decoder:
       mesh: the device mesh the programs run on (`specjax.sharding.make_mesh`), or None for one
         device. The methods trace for it (`sharding.use`): the carry, the model's activations and
         top-k are laid out by the logical-axis rules on this mesh, whatever `jax.set_mesh` says.
+      logprobs: record each committed token's log-probability and its position's `logprobs` most
+        likely tokens (0..20; `specjax.core.logprobs`) in `DecodeState.logprobs`; None: record
+        nothing (no buffer, no cost). Read them with `token_logprobs`.
     """
 
     cache_length: int
@@ -372,9 +376,12 @@ class Decoder:
     shared: tuple[SharedSpec, ...] | None = None
     constraints: PoolSpec | None = None
     mesh: Mesh | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         sharding.check_mesh(self.mesh)
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", check_top(self.logprobs))
         if self.proposer is not None and not isinstance(self.proposer, Proposer):
             raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
                             "taps, init, propose and reconcile (specjax.core.proposer)")
@@ -474,14 +481,16 @@ class Decoder:
             keys=inputs.keys, row_forwards=jnp.zeros((b,), jnp.int32),
             shared=Shared(forwards=jnp.zeros((), jnp.int32),
                           parts=shared_state.init(self.shared) if parts is None else parts),
-            contribute=inputs.contribute, tenant=inputs.tenant)
-        logits = sampling.biased(logits, inputs.sampling)
+            contribute=inputs.contribute, tenant=inputs.tenant,
+            logprobs=None if self.logprobs is None else Logprobs.zeros(b, self.cache_length, self.logprobs))
+        raw, logits = logits, sampling.biased(logits, inputs.sampling)
         if self.constraints is not None:  # every automaton starts in state 0
             slot = jnp.zeros((b,), jnp.int32) if inputs.constraint is None else inputs.constraint.astype(jnp.int32)
             state = state.replace(constraint=slot, automaton=jnp.zeros((b,), jnp.int32))
             logits = self._mask(state, state.automaton[:, None], logits[:, None])[:, 0]
         first = self.sampling.draw(step_keys(state), logits, inputs.sampling)
-        after = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window)[0]
+        after = commit(state, first[:, None], jnp.ones((b,), jnp.int32), self.window,
+                       scores=scores_of(state, raw[:, None], first[:, None]))[0]
         if self.constraints is not None:
             after = self._advanced(state, after, state.automaton, first)
         if self.shared:
@@ -584,7 +593,7 @@ class Decoder:
             params=state.sampling, topo=topo))
         active = ~state.done
         window = jnp.concatenate([last_tokens(state)[:, None], nodes], axis=1)
-        new = commit_path(state, out.cache, nodes, acc, topo)
+        new = commit_path(state, out.cache, nodes, acc, topo, logits=out.logits)
         if self.constraints is not None:  # the state at the kept leaf, then the token after it
             leaf = jnp.take_along_axis(acc.path, acc.n[:, None], axis=1)
             new = self._advanced(state, new, jnp.take_along_axis(states, leaf, axis=1)[:, 0], acc.next)
@@ -630,7 +639,8 @@ def _plain(model: Transformer, sampling_config: Sampling, state: DecodeState,
     logits = sampling.biased(out.logits, state.sampling)
     logits = logits if mask is None else mask(logits)
     nxt = sampling_config.draw(step_keys(state), logits[:, 0], state.sampling)
-    return commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1)[0], out.logits
+    return commit(tick(state.replace(cache=out.cache)), nxt[:, None], jnp.ones_like(pos), window=1,
+                  scores=scores_of(state, out.logits, nxt[:, None]))[0], out.logits
 
 
 # ---- jitted programs (what the hosts compile) ----------------------------------------------------
@@ -707,6 +717,16 @@ def _local_max(x) -> int:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return max(int(np.max(np.asarray(s.data))) for s in x.addressable_shards)
     return int(np.max(np.asarray(x)))
+
+
+def token_logprobs(state: State | DecodeState, mesh=None) -> list[list[TokenLogprob]]:
+    """Each row's recorded log-probabilities of its generated tokens (`Decoder(logprobs=N)`), one
+    `TokenLogprob` per token of `new_tokens`; read as `new_tokens` reads."""
+    s = state.decode if isinstance(state, State) else state
+    if s.logprobs is None:
+        raise ValueError("this state records no log-probabilities: build its decoder with Decoder(logprobs=N)")
+    lp, lens, plen = sharding.host_view((s.logprobs, s.lengths, s.prompt_lengths), mesh)
+    return [entries(lp, r, int(plen[r]), int(lens[r])) for r in range(lens.shape[0])]
 
 
 def new_tokens(state: State | DecodeState, mesh=None) -> list[list[int]]:

@@ -43,6 +43,7 @@ from specjax.core import constraint
 from specjax.core.constraint import Pool, PoolSpec
 from specjax.core.decoder import decode_program
 from specjax.core.decoder import Decoder, Inputs, State, Stats
+from specjax.core.logprobs import Logprobs
 from specjax.models.transformer import Transformer
 from specjax.core.state import AnyArray, DecodeState, insert_row, rows_map
 from specjax.telemetry import SpecCounters
@@ -59,6 +60,7 @@ class HostView:
     row_forwards: Int[AnyArray, "B"]
     forwards: Int[AnyArray, ""]
     stats: Stats | None = None
+    logprobs: Logprobs | None = None  # the rows' recorded log-probabilities (`Decoder.logprobs`), or None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,8 @@ class Slots:
                              f"{self.base.cache_length}, got {bad[0].cache_length}")
         if any(d.mesh != self.base.mesh for d in self.decoders):
             raise ValueError("every option's decoder must run on the base's mesh (Decoder.mesh)")
+        if any(d.logprobs != self.base.logprobs for d in self.decoders):
+            raise ValueError("every option's decoder must record the base's logprobs (Decoder.logprobs)")
 
     @property
     def window(self) -> int:
@@ -152,7 +156,8 @@ class Slots:
         """What the host needs of the batch (tokens, lengths, done, forwards, the chunk's counters),
         replicated on the mesh: every process reads every row."""
         view = HostView(tokens=state.tokens, lengths=state.lengths, done=state.done,
-                        row_forwards=state.row_forwards, forwards=state.forwards, stats=stats)
+                        row_forwards=state.row_forwards, forwards=state.forwards, stats=stats,
+                        logprobs=state.logprobs)
         return sharding.constrain_replicated(view, self.mesh)
 
 

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Int, Key
+from jaxtyping import Array, Bool, Float, Int, Key
 
 from specjax.core import tree
+from specjax.core.logprobs import Logprobs, scored
 from specjax.models.kv_cache import KVCache
 from specjax.core.ngram_table import NgramTable, TableConfig
 from specjax.core.sampling import SamplingParams
@@ -53,6 +54,7 @@ class DecodeState:
     tenant: Int[AnyArray, "B"] | None = None  # each row's scope of shared state (None: tenant 0)
     constraint: Int[AnyArray, "B"] | None = None  # each row's slot in the constraint pool (0: free)
     automaton: Int[AnyArray, "B"] | None = None  # its automaton state after the committed tokens
+    logprobs: Logprobs | None = None  # each committed token's log-probabilities (None: not recorded)
 
     @property
     def forwards(self) -> Int[AnyArray, ""]:
@@ -92,9 +94,11 @@ def is_stop(tokens: Int[Array, "B W"], stop_ids: Int[Array, "B E"]) -> Bool[Arra
 
 
 def commit(
-    state: DecodeState, new: Int[Array, "B W"], num: Int[Array, "B"], window: int
+    state: DecodeState, new: Int[Array, "B W"], num: Int[Array, "B"], window: int,
+    scores: Logprobs | None = None,
 ) -> tuple[DecodeState, Int[Array, "B"]]:
-    """Appends the first `num[b]` tokens of `new[b]` to each active row.
+    """Appends the first `num[b]` tokens of `new[b]` to each active row (and their `scores`, when the
+    state records log-probabilities).
 
     Cuts the row at its first stop token (kept) and at its max_new budget, then marks rows
     done that stopped, spent their budget, or have no room left for another `window`-token
@@ -109,18 +113,31 @@ def commit(
     take = jnp.where(state.done, 0, jnp.maximum(take, 0))
     cols = state.lengths[:, None] + j
     rows = jnp.arange(new.shape[0])[:, None]
-    old = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.capacity - 1), axis=1)
-    vals = jnp.where(j < take[:, None], new, old)
-    tokens = state.tokens.at[rows, cols].set(vals, mode="drop")
+    kept = j < take[:, None]
+
+    def put(buf, vals):  # buf [B, S, ...] gets vals [B, W, ...] at the taken columns
+        tail = (1,) * (buf.ndim - 2)
+        old = jnp.take_along_axis(buf, jnp.minimum(cols, state.capacity - 1).reshape(cols.shape + tail), axis=1)
+        return buf.at[rows, cols].set(jnp.where(kept.reshape(kept.shape + tail), vals, old), mode="drop")
+
+    tokens = put(state.tokens, new)
+    logprobs = state.logprobs
+    if logprobs is not None:
+        logprobs = jax.tree.map(put, logprobs, scores)
     lengths = state.lengths + take
-    stopped = (stop & (j < take[:, None])).any(axis=1)
+    stopped = (stop & kept).any(axis=1)
     done = (
         state.done
         | stopped
         | (lengths - state.prompt_lengths >= state.max_new)
         | (lengths + window > state.capacity)
     )
-    return state.replace(tokens=tokens, lengths=lengths, done=done), take
+    return state.replace(tokens=tokens, lengths=lengths, done=done, logprobs=logprobs), take
+
+
+def scores_of(state: DecodeState, logits: Float[Array, "B W V"], tokens: Int[Array, "B W"]) -> Logprobs | None:
+    """What `commit` records of `tokens` drawn from `logits` (None when the state records nothing)."""
+    return None if state.logprobs is None else scored(logits, tokens, state.logprobs.top)
 
 
 def tick(state: DecodeState) -> DecodeState:
@@ -130,8 +147,9 @@ def tick(state: DecodeState) -> DecodeState:
 
 
 def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], accepted,
-                topo: tree.AnyTopology) -> DecodeState:
-    """Commits a verified window: the accepted path's tokens and K/V, then the next token.
+                topo: tree.AnyTopology, logits: Float[Array, "B W V"] | None = None) -> DecodeState:
+    """Commits a verified window: the accepted path's tokens and K/V, then the next token (with their
+    log-probabilities under the window's `logits`, when the state records them).
 
     `cache` is the verify pass's cache (K/V written at window slots). For a tree the accepted
     path's K/V move to consecutive slots (`KVCache.compact`); a chain's path already is consecutive.
@@ -142,10 +160,14 @@ def commit_path(state: DecodeState, cache: KVCache, nodes: Int[Array, "B K"], ac
     new = jnp.take_along_axis(window, accepted.path, axis=1)[:, 1:]  # the path's drafts [B, A]
     new = jnp.concatenate([new, accepted.next[:, None]], axis=1)
     new = new.at[jnp.arange(b), accepted.n].set(accepted.next)  # right after the kept prefix
+    # token i of `new` was drawn from the logits at the path's slot i
+    if logits is not None:
+        logits = jnp.take_along_axis(logits, jnp.maximum(accepted.path, 0)[..., None], axis=1)
+    scores = None if logits is None else scores_of(state, logits, new)
     if not topo.is_chain:
         cache = cache.compact(state.lengths - 1, accepted.path)
     state = tick(state.replace(cache=cache))
-    return commit(state, new, accepted.n + 1, window=topo.width)[0]
+    return commit(state, new, accepted.n + 1, window=topo.width, scores=scores)[0]
 
 
 def rows_map(fn, batch, *others, shared_from: int = 0):

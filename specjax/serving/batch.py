@@ -16,7 +16,9 @@ from specjax import sharding, telemetry
 from specjax.core import decoder as core
 from specjax.core import sampling
 from specjax.core.constraint import met as constraint_met
-from specjax.core.decoder import MAX_STOP_IDS, RUN_TO_END, Decoder, Inputs, State, decode_program, new_tokens, prefill_program
+from specjax.core.decoder import (MAX_STOP_IDS, RUN_TO_END, Decoder, Inputs, State, decode_program, new_tokens,
+                                  prefill_program, token_logprobs)
+from specjax.core.logprobs import TokenLogprob
 from specjax.core.sampling import Sampling
 from specjax.methods.predict.usage import prediction_usage
 from specjax.telemetry import SpecCounters
@@ -97,6 +99,7 @@ class Result:
     k: int = 0  # the most drafts a step can accept: the chain length, or the tree's depth
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     prediction: tuple[int, int] | None = None  # (accepted, rejected) prediction tokens, when one was given
+    logprobs: list[TokenLogprob] | None = None  # each token's log-probability and top tokens, when recorded
 
     @property
     def new_tokens(self) -> int:
@@ -118,7 +121,8 @@ class Result:
                     compile_s=round(self.compile_s, 3), stop_reason=self.stop_reason, method=self.method,
                     k=self.k, **self.counters.to_dict(),
                     **({} if self.prediction is None else dict(accepted_prediction_tokens=self.prediction[0],
-                                                               rejected_prediction_tokens=self.prediction[1])))
+                                                               rejected_prediction_tokens=self.prediction[1])),
+                    **({} if self.logprobs is None else dict(logprobs=[dict(logprob=e.logprob, top=[list(t) for t in e.top]) for e in self.logprobs])))
 
 
 class Batch:
@@ -209,12 +213,14 @@ class Batch:
         stops, max_new, fwd = s.stop_ids, s.max_new, s.row_forwards
         tok = self.engine.tokenizer
         k = self.decoder.depth
+        lps = None if s.logprobs is None else token_logprobs(s)
         return [Result(tokens=toks, text=tok.decode(toks, skip_special=True) if tok else "",
                        target_forwards=int(fwd[r]), ttft_s=self.ttft_s, wall_s=self.ttft_s + self.decode_s,
                        compile_s=self.compile_s, stop_reason=telemetry.stop_reason(
                            toks, stops[r], max_new[r], met=self.constraint is None or constraint_met(self.constraint, toks, stops[r])),
                        method=self.method, k=k, counters=SpecCounters.from_stats(stats, r),
-                       prediction=self._prediction_usage(r, toks))
+                       prediction=self._prediction_usage(r, toks),
+                       logprobs=None if lps is None else lps[r])
                 for r, toks in enumerate(self.new_tokens())]
 
     def _prediction_usage(self, row: int, tokens: list[int]) -> tuple[int, int] | None:

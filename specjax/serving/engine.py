@@ -27,6 +27,7 @@ from specjax.core.constraint import PoolSpec
 from specjax import constrain
 from specjax.methods import registry
 from specjax.methods.predict.options import prediction_cap
+from specjax.core.logprobs import check_top
 from specjax.core.sampling import Sampling, check_logit_bias
 from specjax.serving.batch import (Batch, GenerateOptions, Result, _positive_int, _prompt_list,  # noqa: F401 (re-exported)
                                    _values)
@@ -272,13 +273,14 @@ class Engine:
               sampling_config: Sampling | None = None, row_offset: int = 0,
               cache_length: int | None = None, built: tuple | None = None,
               prediction: Sequence | None = None, constraint: constrain.TokenTables | None = None,
-              logit_bias: Sequence | None = None) -> "Batch":
+              logit_bias: Sequence | None = None, logprobs: int | None = None) -> "Batch":
         """Validates, pads and compiles; returns a `Batch` ready to prefill and decode.
 
         Row r's random stream is `fold_in(key(opts.seed), row_offset + r)`. Every check runs before
         anything is compiled, so bad input fails fast. `built`: `proposer(spec)`'s result, reused.
         `prediction`: each prompt's predicted output (see `generate`). `constraint`: the tables every
         row's answer follows (`constraint_for`), or None. `logit_bias`: each prompt's (see `generate`).
+        `logprobs`: top alternatives recorded per token (see `generate`).
         """
         batch_size = _positive_int("batch_size", batch_size, none_means="one row per prompt")
         ids = self.check(prompts, opts, chat=chat)
@@ -297,6 +299,8 @@ class Engine:
                                     prompt_bucket=bucket, max_new_tokens=opts.max_new_tokens, built=built)
         if constraint is not None or dec.constraints is not None:  # a pool of one, sized to the constraint
             dec = dataclasses.replace(dec, constraints=self.pool_for(constraint))  # merged with a proposer's
+        if logprobs is not None:
+            dec = dataclasses.replace(dec, logprobs=logprobs)  # checked by the Decoder
         if constraint is not None and not self.stop_ids(opts):
             raise ValueError("a constrained answer needs a stop token to end it: give stop_ids (the model's EOS)")
         pick = lambda v: v if len(_values(v)) == 1 else list(v)
@@ -354,7 +358,7 @@ class Engine:
                  batch_size: int | None = None, spec: SpecConfig = SpecConfig(),
                  prediction: Sequence | None = None, response_format: dict | None = None,
                  regex: str | None = None, choice: Sequence[str] | None = None,
-                 logit_bias: dict | Sequence | None = None, **kw) -> list[Result]:
+                 logit_bias: dict | Sequence | None = None, logprobs: int | None = None, **kw) -> list[Result]:
         """Generates for every prompt, in batches of `batch_size` (default: all at once).
 
         Args:
@@ -373,6 +377,9 @@ class Engine:
           logit_bias: OpenAI's logit_bias (token id -> a value in [-100, 100], added to the target's
             logits at every position, speculative ones included), one map for every prompt or one
             per prompt (None for none).
+          logprobs: record each generated token's log-probability under the target (before
+            logit_bias, a constraint and temperature) and the `logprobs` most likely tokens at its
+            position, 0..20 (`Result.logprobs`); None records nothing.
           **kw: `GenerateOptions` fields: max_new_tokens, temperature, top_k, top_p (one value or one
             per prompt), seed, stop_ids. Prompt i draws the random stream of global row i.
         """
@@ -386,6 +393,7 @@ class Engine:
         predicted = self.encode_predictions(prediction, len(ids))
         constraint = self.constraint_for(response_format=response_format, regex=regex, choice=choice)
         biases = self.logit_biases(logit_bias, len(ids))
+        logprobs = None if logprobs is None else check_top(logprobs)
         sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
         built = self.proposer(spec)  # validates the method (heads present, k in range, ...), once per call
         results: list[Result] = []
@@ -397,5 +405,6 @@ class Engine:
                                       spec=spec, row_offset=i, built=built,
                                       prediction=None if predicted is None else predicted[i:i + b],
                                       constraint=constraint,
-                                      logit_bias=None if biases is None else biases[i:i + b]).run())
+                                      logit_bias=None if biases is None else biases[i:i + b],
+                                      logprobs=logprobs).run())
         return results

@@ -19,6 +19,7 @@ import numpy as np
 from specjax import telemetry
 from specjax.methods.config import SpecConfig
 from specjax.core.decoder import Inputs
+from specjax.core.logprobs import TokenLogprob
 from specjax.methods.predict.usage import prediction_usage
 from specjax.telemetry import SpecCounters, StopReason
 
@@ -64,6 +65,7 @@ class Request:
     constraint: Any = None  # its constraint's tables (`specjax.constrain.TokenTables`) until it ends; None: free
     pool_slot: int = 0  # the constraint pool slot it holds while running (0: none, a free row)
     logit_bias: dict[int, float] | None = None  # token id -> what it adds to the target's logits (None: none)
+    top_logprobs: int | None = None  # alternatives per token it asked for with its logprobs (None: no logprobs)
     status: Status = Status.QUEUED
     error: str | None = None  # why it failed
     slot: int | None = None
@@ -75,6 +77,7 @@ class Request:
     target_forwards: int = 0
     counters: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per token, when it asked for them
     inputs: Inputs | None = dataclasses.field(default=None, repr=False)  # its batch of one (Inputs.create)
 
     @property

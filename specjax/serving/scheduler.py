@@ -57,6 +57,7 @@ from specjax import memory, sharding, telemetry
 from specjax.core import sampling
 from specjax.core.constraint import met as constraint_met
 from specjax.core.decoder import cache_length, check_max_new_tokens
+from specjax.core.logprobs import check_top, entries
 from specjax.methods.config import SpecConfig
 from specjax.serving import controller as policy
 from specjax.serving.constraints import FLAGS, ConstraintError, ConstraintLimits, PoolSlots
@@ -115,6 +116,9 @@ class Scheduler:
       logit_bias: the most logit_bias entries a request may bring (OpenAI's token id -> value);
         every row then carries that many, added to the target's logits at every position
         (`specjax.core.sampling.biased`). 0: none, and a biased request is refused at submit.
+      logprobs: the most alternatives per token a request may ask for with its logprobs (0..20);
+        every row then records its tokens' log-probabilities and that many top tokens
+        (`Decoder.logprobs`). None: none recorded, and a request for logprobs is refused at submit.
     """
 
     def __init__(self, engine: Engine, *, slots: int, spec: SpecConfig | str = SpecConfig(),
@@ -124,7 +128,7 @@ class Scheduler:
                  batch_sizes: Sequence[int] | None = None, with_plain: bool = False,
                  history: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  costs: dict[int, CostModel] | None = None, constraint_pool: ConstraintLimits | None = None,
-                 logit_bias: int = 0):
+                 logit_bias: int = 0, logprobs: int | None = None):
         if int(slots) != slots or slots < 1:
             raise ValueError(f"slots (concurrency) = {slots}: must be an integer >= 1")
         if int(chunk) != chunk or chunk < 1:
@@ -170,6 +174,7 @@ class Scheduler:
         if isinstance(logit_bias, bool) or int(logit_bias) != logit_bias or logit_bias < 0:
             raise ValueError(f"logit_bias={logit_bias}: the most entries a request may bring, an integer >= 0")
         self.logit_bias = int(logit_bias) or None  # rows' logit_bias width (None: no row carries one)
+        self.logprobs = None if logprobs is None else check_top(logprobs)
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         if history is not None and (int(history) != history or history < 1):
@@ -205,7 +210,7 @@ class Scheduler:
                stop_ids: Sequence[int] = (), stream: int | None = None,
                prediction: str | Sequence[int] | None = None, response_format: dict | None = None,
                regex: str | None = None, choice: Sequence[str] | None = None, constraint: Any = None,
-               logit_bias: dict | None = None) -> int:
+               logit_bias: dict | None = None, top_logprobs: int | None = None) -> int:
         """Queues a request; returns its id. Validates it now (nothing compiles here).
 
         The request draws the random stream `fold_in(key(seed), id)`: its own, whatever batch it
@@ -225,7 +230,9 @@ class Scheduler:
         `constraint`: tables already compiled (`specjax.constrain.TokenTables`; a server compiles
         them off its event loop). They need the scheduler's `constraint_pool` and a stop token.
         `logit_bias`: token id -> value in [-100, 100], added to the target's logits at every
-        position; at most the scheduler's `logit_bias` entries.
+        position; at most the scheduler's `logit_bias` entries. `top_logprobs`: record each token's
+        log-probability and that many alternatives (`Request.logprobs`; at most the scheduler's
+        `logprobs`); None: none.
         """
         m = check_max_new_tokens(self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                  most=self.opts.max_new_tokens,
@@ -259,12 +266,15 @@ class Scheduler:
         tables = self.check_constraint(response_format=response_format, regex=regex, choice=choice,
                                        constraint=constraint, stop_ids=stops)
         bias = self.check_logit_bias(logit_bias)
+        if top_logprobs is not None and (self.logprobs is None or check_top(top_logprobs) > self.logprobs):
+            raise ValueError(f"top_logprobs={top_logprobs}: this host records at most {self.logprobs} alternatives "
+                             "per token (Scheduler(logprobs=N); a server: --logprobs N)")
         seed = self.opts.seed if seed is None else seed
         req = Request(id=self._next_id, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival,
                       opt_out=opt_out, contribute=contribute and not opt_out, seed=seed,
                       speculation=speculation, tenant=tenant,
                       stop_ids=stops, stream=None if stream is None else int(stream), prediction=predicted,
-                      constraint=tables, logit_bias=bias, **sp)
+                      constraint=tables, logit_bias=bias, top_logprobs=top_logprobs, **sp)
         req.inputs = self._inputs(req)  # validated once, at the core's boundary (Inputs.create); reused at insert
         self._next_id += 1
         self.requests.append(req)
@@ -390,11 +400,11 @@ class Scheduler:
                                               max_new_tokens=self.opts.max_new_tokens) for o, s in self.specs.items()}
         self.cache_length = max([d.cache_length for d, _ in built.values()] +
                                 [cache_length(self.bucket, self.opts.max_new_tokens, 1)])
-        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, shared=self.shared)
-                         for o, (d, _) in built.items()}
+        self.decoders = {o: dataclasses.replace(d, cache_length=self.cache_length, shared=self.shared,
+                                                logprobs=self.logprobs) for o, (d, _) in built.items()}
         mesh = self.engine.mesh
         self.decoders[PLAIN] = Decoder(cache_length=self.cache_length, sampling=self.sc, shared=self.shared,
-                                       mesh=mesh)
+                                       mesh=mesh, logprobs=self.logprobs)
         self._key = {PLAIN: None, **{o: i for i, o in enumerate(self.specs)}}  # the batch's name of an option
         ops = Slots(base=self.decoders[PLAIN], decoders=tuple(self.decoders[o] for o in self.specs))
         self.batch = RunningBatch(ops, params=self.engine.params, compile=self.engine.program,
@@ -554,6 +564,7 @@ class Scheduler:
         t = self.now()
         req.status, req.slot = Status.RUNNING, slot
         req.tokens = [int(view.tokens[slot, len(req.ids)])]
+        self._record_logprobs(req, view, len(req.ids))
         req.emissions.append((t, 1))
         self.slots[slot] = req
         if self.controller is not None:
@@ -591,6 +602,7 @@ class Scheduler:
             if new:
                 req.tokens += new
                 req.emissions.append((t, len(new)))
+                self._record_logprobs(req, chunk.view, chunk.before[i])
             req.chunks[label] = req.chunks.get(label, 0) + 1
             counters = chunk.counters(i)
             if counters.num_drafts:
@@ -601,6 +613,13 @@ class Scheduler:
             if done[i]:
                 self._finish(req, t, int(forwards[i]))
         self._pack()
+
+    def _record_logprobs(self, req: Request, view, start: int) -> None:
+        """Appends the log-probabilities of the row's tokens from column `start` on, when it asked."""
+        if req.top_logprobs is not None:
+            n = req.top_logprobs
+            got = entries(view.logprobs, req.slot, int(start), int(view.lengths[req.slot]))
+            req.logprobs += [e._replace(top=e.top[:n]) for e in got]
 
     def _pack(self) -> None:
         """With several batch sizes: moves the last running rows into the free slots before them."""

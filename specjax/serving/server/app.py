@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from specjax.serving.constraints import ConstraintError
 from specjax.serving.scheduler import Scheduler
-from specjax.serving.server import protocol
+from specjax.serving.server import logprobs, protocol
 from specjax.serving.server.auth import Keys, TenantIds
 from specjax.serving.server.engine_thread import End, EngineThread, Job, NotAccepting, QueueFull
 from specjax.serving.server.guard import RequestIds, error_response, read_body, request_id
@@ -105,6 +105,8 @@ class _Ctx:
     include_usage: bool
     token_ids: bool
     prediction: list[int] | None = None  # the request's predicted output, for the usage counts
+    logprobs: bool = False  # it asked for logprobs
+    offset: int = 0  # characters of text streamed so far (a completion's text_offset)
 
 
 @dataclasses.dataclass
@@ -147,6 +149,7 @@ class Server:
         self.bucket = sched.engine.bucket_for(sched.max_prompt_tokens)  # the scheduler's, known before compiling
         self.sched, self.config = sched, config
         self.tokenizer = sched.engine.tokenizer
+        self.logprobs = logprobs.Formatter(self.tokenizer)
         self.keys = Keys(config.api_keys)
         self.tenants = TenantIds(MAX_TENANTS)
         self.max_prompt_chars = config.max_prompt_chars or self.bucket * longest_token_chars(self.tokenizer)
@@ -300,8 +303,6 @@ class Server:
         s, opts = self.sched, self.sched.opts
         if body.n != 1:
             raise bad(f"n={body.n}: only n=1 is supported", "n")
-        if body.logprobs or body.top_logprobs:
-            raise bad("logprobs are not supported by this server", "logprobs")
         protocol.refuse_unsupported(body)
         if not ids:
             raise bad("the prompt is empty", "prompt")
@@ -345,6 +346,9 @@ class Server:
             if s.prediction_cap is not None and len(kw["prediction"]) > s.prediction_cap:
                 raise bad(f"the prediction has {len(kw['prediction'])} tokens; this server's predict option takes "
                           f"at most {s.prediction_cap} (start it with a larger --prediction-cap)", "prediction")
+        top = logprobs.requested(body, s.logprobs)
+        if top is not None:
+            kw["top_logprobs"] = top
         if body.logit_bias:
             try:
                 kw["logit_bias"] = s.check_logit_bias(body.logit_bias)
@@ -386,23 +390,25 @@ class Server:
         ctx = _Ctx(kind=kind, rid=rid, id=("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
                    created=int(time.time()), prompt_tokens=len(ids), stops=prep.stops, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   token_ids=body.return_token_ids, prediction=prep.submit.get("prediction"))
+                   token_ids=body.return_token_ids, prediction=prep.submit.get("prediction"),
+                   logprobs="top_logprobs" in prep.submit)
         if body.stream:
             return StreamingResponse(self._sse(job, ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(self._watch_disconnect(request, job))
         try:
-            text, toks, finish, end = "", [], None, None
-            async for delta, ids_delta, finish, end in self._events(job, ctx):
+            text, toks, lps, finish, end = "", [], [], None, None
+            async for delta, ids_delta, lps_delta, finish, end in self._events(job, ctx):
                 text += delta
                 toks += ids_delta
+                lps += lps_delta or []
         finally:
             watcher.cancel()
             if not job.ended:
                 self.engine.cancel(job)
         if end is not None and end.reason == "error":
             raise self._end_error(end, ctx)
-        return JSONResponse(self._final(ctx, text, toks, finish, end))
+        return JSONResponse(self._final(ctx, text, toks, lps, finish, end))
 
     async def _watch_disconnect(self, request: HTTPRequest, job: Job) -> None:
         while True:
@@ -411,30 +417,32 @@ class Server:
                 self.engine.cancel(job)
                 return
 
-    async def _events(self, job: Job, ctx: _Ctx) -> AsyncIterator[tuple[str, list[int], str | None, End | None]]:
-        """(text delta, token ids delta, finish_reason or None, End or None) until the end."""
+    async def _events(self, job: Job, ctx: _Ctx) -> AsyncIterator[tuple[str, list[int], list | None, str | None,
+                                                                         End | None]]:
+        """(text delta, token ids delta, their logprob records (None: not asked), finish_reason or None,
+        End or None) until the end."""
         dec = self.tokenizer.decode_stream(skip_special=True)
         hold = max((len(s) for s in ctx.stops), default=1) - 1
         buf, n = "", 0
         while True:
             ev = await job.events.get()
             end = ev if isinstance(ev, End) else None
-            ids = [] if end else ev
+            ids, lps = ([], None) if end else ev
             n += len(ids)
             buf += dec.flush() if end else dec.push(ids)
             hit = [i for i in (buf.find(s) for s in ctx.stops) if i >= 0]
             if hit and (end is None or end.reason != "error"):
                 if end is None:
                     self.engine.cancel(job, "stop")
-                yield buf[: min(hit)], ids, "stop", end
+                yield buf[: min(hit)], ids, lps, "stop", end
                 return
             if end is not None:
-                yield buf, ids, (None if end.reason == "error" else end.reason), end
+                yield buf, ids, lps, (None if end.reason == "error" else end.reason), end
                 return
             emit = buf[: len(buf) - hold] if hold else buf
             buf = buf[len(emit):]
             if emit or ids:
-                yield emit, ids, None, None
+                yield emit, ids, lps, None, None
 
     def _end_error(self, end: End, ctx: _Ctx) -> APIError:
         if end.client_error:
@@ -458,22 +466,35 @@ class Server:
         return {"metrics": {"speculative_decoding": {**req.counters.to_dict(), "chunks": dict(req.chunks),
                                                      "target_forwards": req.target_forwards}}}
 
-    def _final(self, ctx: _Ctx, text: str, toks: list[int], finish: str | None, end: End | None) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def _logprobs(self, ctx: _Ctx, toks: list[int], lps: list | None) -> dict | None:
+        """The choice's `logprobs` for these tokens (None when the request asked for none)."""
+        if not ctx.logprobs:
+            return None
+        if ctx.kind == "chat":
+            return self.logprobs.chat(toks, lps or [])
+        out = self.logprobs.completion(toks, lps or [], ctx.offset)
+        ctx.offset += sum(map(len, out["tokens"]))
+        return out
+
+    def _final(self, ctx: _Ctx, text: str, toks: list[int], lps: list, finish: str | None, end: End | None) -> dict:
+        lp = self._logprobs(ctx, toks, lps)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                    "finish_reason": finish} if ctx.kind == "chat" else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                  {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
         if ctx.token_ids:
             choice["token_ids"] = toks
         return {"id": ctx.id, "object": "chat.completion" if ctx.kind == "chat" else "text_completion",
                 "created": ctx.created, "model": self.config.model_name, "choices": [choice],
                 "usage": self._usage(ctx, end, toks), **self._spec_metrics(end)}
 
-    def _chunk(self, ctx: _Ctx, text: str, toks: list[int], finish: str | None, *, first: bool = False) -> dict:
+    def _chunk(self, ctx: _Ctx, text: str, toks: list[int], finish: str | None, *, first: bool = False,
+               lps: list | None = None) -> dict:
+        lp = self._logprobs(ctx, toks, lps)
         if ctx.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         if ctx.token_ids:
             choice["token_ids"] = toks
         return {"id": ctx.id, "object": "chat.completion.chunk" if ctx.kind == "chat" else "text_completion",
@@ -484,12 +505,12 @@ class Server:
         try:
             try:
                 toks, first = [], True
-                async for delta, ids, finish, end in self._events(job, ctx):
+                async for delta, ids, lps, finish, end in self._events(job, ctx):
                     if end is not None and end.reason == "error":
                         yield sse(self._end_error(end, ctx).body())
                         break
                     toks += ids
-                    yield sse(self._chunk(ctx, delta, ids, finish, first=first))
+                    yield sse(self._chunk(ctx, delta, ids, finish, first=first, lps=lps))
                     first = False
                     if finish is not None:
                         if ctx.include_usage:

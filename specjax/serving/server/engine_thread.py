@@ -61,7 +61,8 @@ class End:
 class Job:
     """One request on its way through the engine thread.
 
-    `events` receives lists of new token ids, then one `End`. `submit` holds `Scheduler.submit`'s
+    `events` receives (new token ids, their `TokenLogprob` records or None when the request asked for
+    none) pairs, then one `End`. `submit` holds `Scheduler.submit`'s
     keyword arguments; `arrived` is `time.perf_counter()` when the HTTP request arrived, so that
     latency counts from arrival, queueing in the command queue included.
     """
@@ -262,7 +263,8 @@ class EngineThread:
         for job in list(self.jobs.values()):
             req = job.request
             if len(req.tokens) > job.sent:
-                job.put(list(req.tokens[job.sent:]))
+                job.put((list(req.tokens[job.sent:]),
+                         None if req.top_logprobs is None else list(req.logprobs[job.sent:])))
                 job.sent = len(req.tokens)
             if req.status is Status.FINISHED:
                 self._end(job, End(FINISH.get(req.stop_reason, "stop"), request=req))

@@ -37,6 +37,8 @@ prunes) ends at the stop token with finish_reason "constraint_unmet".
 `prediction` ({"type": "content", "content": text or text parts}, OpenAI's Predicted Outputs) is the
 text the answer is expected to restate: a `predict` option drafts from it, and `usage` reports
 `completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens` whatever ran.
+`logit_bias` is added to the target's logits at every position; `logprobs` / `top_logprobs` give each
+token's log-probabilities (`specjax.serving.server.logprobs`).
 
 Nothing is dropped in silence. A field that would change the answer and is not supported
 (`UNSUPPORTED`: penalties, tools, audio, reasoning effort, ...) is a 400 naming it, unless its value
@@ -121,7 +123,7 @@ class _Common(BaseModel):
     contribute: bool = True
     timeout: float | None = None
     return_token_ids: bool = False
-    logprobs: bool | int | None = None  # not supported: refused when asked for
+    logprobs: bool | int | None = None  # chat: true/false; completions: the alternatives (`server.logprobs`)
     top_logprobs: int | None = None
     prediction: Prediction | None = None
     response_format: dict | None = None  # a constraint (see the module docstring), with `regex` and `choice`
