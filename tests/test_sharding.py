@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import specjax
 from specjax import sharding
 from specjax.methods.config import SpecConfig
-from specjax.core.decoder import Decoder, Inputs, new_tokens
+from specjax.core.decoder import Decoder, Inputs, new_tokens, token_logprobs
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.models import config as model_config, loader
 from specjax.models.heads import HeadsConfig, MedusaHeads
@@ -215,17 +215,36 @@ def test_the_mesh_cases_cover_every_method_mesh_and_mode():
 
 def test_functional_api_on_a_mesh(assets, reference):
     """`Decoder(mesh=)` (or `generate(..., mesh=)` for a decoder without one) and
-    `new_tokens(state, mesh)`: the core without the Engine; two different meshes are an error."""
+    `new_tokens(state, mesh)`: the core without the Engine; two different meshes are an error. With
+    the vocabulary sharded over `model`: the recorded logprobs (`token_logprobs(state, mesh)`) are the
+    one-device full forward's log-softmax, and a row's logit_bias moves its greedy tokens to the
+    argmax of the full forward plus the bias."""
+    from scipy.special import log_softmax
+
     target = assets[0]
     mesh = sharding.make_mesh("data=2,model=4")
     inputs = Inputs.create(PROMPTS, bucket=32, max_new_tokens=16)
     dec = Decoder(cache_length=specjax.cache_length(32, 16, 5),
-                  proposer=specjax.NgramProposer(k=4), sampling="greedy", mesh=mesh)
+                  proposer=specjax.NgramProposer(k=4), sampling="greedy", mesh=mesh, logprobs=3)
     state = specjax.generate(target, inputs, decoder=dec)
-    assert new_tokens(state, mesh) == [r.tokens for r in reference["ngram", "greedy"]]
+    want = [r.tokens for r in reference["ngram", "greedy"]]
+    assert new_tokens(state, mesh) == want
     assert state.decode.tokens.sharding.spec == P("data")
-    state = specjax.generate(target, inputs, decoder=dataclasses.replace(dec, mesh=None), mesh=mesh)
-    assert new_tokens(state, mesh) == [r.tokens for r in reference["ngram", "greedy"]]
+    for got, z in zip(token_logprobs(state, mesh), _teacher_forced_logits(target, PROMPTS, want)):
+        lp = log_softmax(z.astype(np.float64), axis=-1)
+        np.testing.assert_allclose([e.logprob for e in got], lp.max(axis=-1), atol=1e-4)  # greedy: the best
+        np.testing.assert_allclose([[v for _, v in e.top] for e in got], np.sort(lp, axis=-1)[:, :-4:-1], atol=1e-4)
+    vocab = target.config.vocab_size
+    bias = [{int(t[0]): -100.0, (int(t[0]) + 1) % vocab: 4.0} for t in want]  # off its first token
+    biased = Inputs.create(PROMPTS, bucket=32, max_new_tokens=16, logit_bias=bias, logit_bias_width=2)
+    state = specjax.generate(target, biased, decoder=dataclasses.replace(dec, mesh=None, logprobs=None), mesh=mesh)
+    toks = new_tokens(state, mesh)
+    for r, (t, z) in enumerate(zip(toks, _teacher_forced_logits(target, PROMPTS, toks))):
+        z = z.copy()
+        for i, v in bias[r].items():
+            z[:, i] += v
+        close = _gap(z) < GAP  # a near tie may flip across meshes: the test's prompts have none
+        assert not close.any() and t == z.argmax(axis=-1).tolist() and t[0] != want[r][0], r
     with pytest.raises(ValueError, match="differs from decoder.mesh"):
         specjax.generate(target, inputs, decoder=dec, mesh=sharding.make_mesh("data=4,model=2"))
 
