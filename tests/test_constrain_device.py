@@ -18,15 +18,18 @@ from flax import nnx
 from specjax.core.constraint import PoolSpec
 from specjax.core.decoder import Decoder, Inputs, cache_length, new_tokens
 from specjax.core.decoder import generate as specjax_generate
+from specjax.core.host_lookup import replay
 from specjax.methods.config import SpecConfig
 from specjax.methods.draft.record import DraftModel
 from specjax.methods.eagle.record import LoadedEagle
+from specjax.methods.forced.proposer import host_replay as forced_host_replay
 from specjax.methods.medusa.record import LoadedHeads
 from specjax.models import config as model_config
 from specjax.models import loader
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.heads import HeadsConfig, MedusaHeads
 from specjax.serving.engine import Engine
+from specjax.telemetry import SpecCounters
 
 V = 64
 STOP = 2
@@ -299,7 +302,9 @@ def test_running_batch_uploads_a_constraint_into_its_pool_without_compiling(tiny
 
 def test_forced_drafts_the_text_the_automaton_fixes(eng, plain):
     """The forced method drafts FORCED's fixed tokens: the row under it keeps 3 drafts at its first
-    step (7 3 7 after the prefill's 3); its output is constrained plain's."""
+    step (7 3 7 after the prefill's 3); its output is constrained plain's. Replayed on the host over
+    the committed text (`forced.host_replay`, what the auto scheduler learns from while other options
+    run), every row's counters are the real run's, but for a last step the text ends in."""
     proposer, pparams = eng.proposer(SPECS["forced"])
     dec = Decoder(cache_length=cache_length(BUCKET, NEW, 5), proposer=proposer,
                   constraints=PoolSpec(vocab=V, capacity=2, states=8, classes=8))
@@ -307,6 +312,20 @@ def test_forced_drafts_the_text_the_automaton_fixes(eng, plain):
     assert new_tokens(state) == plain
     hist = np.asarray(state.stats.accept_hist)[2]  # row 2: FORCED
     assert hist[3] >= 1, hist
+    tables = {0: None, 1: DIGITS, 2: FORCED}
+    for r, (prompt, toks) in enumerate(zip(PROMPTS, plain)):
+        text = prompt + toks
+        lookup = forced_host_replay(SPECS["forced"], text[:len(prompt) + 1], prompt_len=len(prompt),
+                                    constraint=tables[SLOTS[r]])
+        kept, steps = replay(lookup, text)
+        real = SpecCounters.from_stats(state.stats, r)
+        gap = [a - b for a, b in zip(real.accepted_tokens_per_pos, kept)]
+        if steps == real.num_drafts:
+            assert gap == [0] * 4, r
+        else:  # the real run's last step: the text ends before its outcome's next token
+            assert steps == real.num_drafts - 1 and set(gap) <= {0, 1} and gap == sorted(gap, reverse=True), r
+        if SLOTS[r] == 2:
+            assert kept[:3] == [1, 1, 1], kept  # 7 3 7, forced after the first token
 
 
 # 5, then a dead state: not accepting and nothing allowed (hand-built: the compiler prunes such states)

@@ -152,7 +152,9 @@ def test_cancel_and_reset_free_pool_slots(eng, alone):
 def test_auto_runs_forced_beside_prompt_lookup_under_constraints(eng, alone):
     """Auto choosing among plain, prompt lookup and `forced` (each at its K's) over constrained and free
     requests: every answer equals its own alone, forced chunks ran and drafted the forced text (the
-    FORCED rows accept 3 7 3 7 in one step), and nothing compiles after the warm-up."""
+    FORCED rows accept 3 7 3 7 in one step), and nothing compiles after the warm-up. While other
+    options run, the host replays forced text over what they commit (`forced.host_replay`): the
+    controller learns that forced drafts would be kept on the FORCED rows without running it."""
     from specjax.serving.controller import ControllerConfig
 
     ccfg = ControllerConfig(methods=("ngram", "forced"), ks=(0, 4), explore_every=1)
@@ -161,8 +163,17 @@ def test_auto_runs_forced_beside_prompt_lookup_under_constraints(eng, alone):
     s.prepare()
     s.warm()
     compiled = eng.compile_count
+    replayed, observe = [], s.controller.observe
+
+    def spy(row, method, kept, steps):  # evidence for forced from a chunk of another option: a replay's
+        if method == "forced" and not s.chunk_log[-1].option.startswith("forced"):
+            replayed.append((row, list(kept)))
+        return observe(row, method, kept, steps)
+
+    s.controller.observe = spy
     out = s.run(on_chunk=_rows_keep_their_pool_slots)
     assert eng.compile_count == compiled
     assert [r.tokens for r in out] == alone
     ran = {k for r in out for k in r.chunks}
     assert any(k.startswith("forced") for k in ran), ran
+    assert any(TOYS[row] is FORCED and kept[0] > 0 for row, kept in replayed), replayed

@@ -117,9 +117,12 @@ class Record:
       serving: `(spec, table) -> spec`, the spec as a long-running host (the scheduler) runs it: a
         method with cross-request state turns it on (`table`: the host's n-gram table slots, None
         for the method's default, 0 for none); None: as given.
-      replay: `(spec, tokens) -> lookup`, the method replayed on the host over a row's tokens
-        (`specjax.methods.ngram.proposer.HostLookup`, advanced by `ngram.proposer.replay`): the auto
-        scheduler learns what it would have kept while other options run; None: no replay.
+      replay: `(spec, tokens, prompt_len=, constraint=) -> lookup`, the method replayed on the host
+        over a row's tokens (the first `prompt_len` its prompt; `constraint`: the row's
+        `specjax.constrain.TokenTables` or None): an object with `k`, `tokens`, `propose()` and
+        `extend(tokens)` as `specjax.methods.ngram.proposer.HostLookup`, advanced by
+        `ngram.proposer.replay`. The auto scheduler learns what the method would have kept while
+        other options run; None: no replay.
       on_request: the method drafts from what a request brings (a prediction, a constraint) and
         pays only with it: auto runs it when it is chosen by name (`--auto-methods`), never by default.
     """

@@ -122,9 +122,10 @@ def serving(spec, table: int | None = None):
     return spec if rec is None or rec.serving is None else rec.serving(spec, table)
 
 
-def host_replay(spec, tokens):
-    """The method of `spec` replayed on the host from a row's `tokens` (`Record.replay`)."""
-    return record(spec.method).replay(spec, tokens)
+def host_replay(spec, tokens, *, prompt_len: int = 0, constraint=None):
+    """The method of `spec` replayed on the host from a row's `tokens`, the first `prompt_len` of
+    them its prompt, under the row's `constraint` tables or None (`Record.replay`)."""
+    return record(spec.method).replay(spec, tokens, prompt_len=prompt_len, constraint=constraint)
 
 
 def auto_options(assets: Assets, ks: tuple[int, ...], given: dict | None = None) -> list[dict]:

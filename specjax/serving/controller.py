@@ -68,7 +68,8 @@ class ControllerConfig:
     Attributes:
       ks: the compiled speculation lengths to choose from; 0 is the plain loop (always included).
       methods: proposers the controller may use with each K > 0, as `SpecConfig(method=m, k=K)` (default: prompt lookup alone,
-        the methods the scheduler can replay on the host, `registry.looks_up`); stateful ones (a draft
+        the methods the scheduler can replay on the host, `registry.looks_up`, but those that pay only
+        with what a request brings, `Record.on_request`); stateful ones (a draft
         model's cache) go stale across plain chunks.
       margin: speculate only when the expected gain is at least 1 + margin.
       decay: weight kept by old evidence each time a row or task is observed (EMA factor).
@@ -89,13 +90,15 @@ class ControllerConfig:
         plain steps at the chunk's batch size are never chosen (None: no bound). A verify step
         that is 1.3x a plain step at batch 1 can be 2-4x at batch 16 on a compute-bound machine;
         there a rejected window makes one token take that long, which is what raises ITL p99.
-      replay_ngram: when prompt lookup is an option, the scheduler replays it on the host over
-        the text other options commit (`specjax.methods.ngram.proposer.replay`) and feeds what it would
-        have kept to the estimates, so they need no chunk of prompt lookup to learn it pays.
+      replay_ngram: the scheduler replays the options a method's record can replay on the host
+        (prompt lookup, and forced text under a request's constraint) over the text other options
+        commit (`specjax.core.host_lookup.replay`) and feeds what they would have kept to the
+        estimates, so they need no chunk of their own to learn they pay.
     """
 
     ks: tuple[int, ...] = (0, 2, 4, 8)
-    methods: tuple[str, ...] = tuple(m for m in registry.RECORDS if registry.looks_up(m))
+    methods: tuple[str, ...] = tuple(m for m, rec in registry.RECORDS.items() if registry.looks_up(m)
+                                     and not rec.on_request)
     margin: float = 0.03
     decay: float = 0.9
     prior_alpha: float = 0.5

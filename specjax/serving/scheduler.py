@@ -67,7 +67,7 @@ from specjax.core.slots import RunningBatch, Slots
 from specjax.core.state import DecodeState
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.methods import registry
-from specjax.methods.ngram.proposer import replay
+from specjax.core.host_lookup import replay
 from specjax.methods.predict.options import prediction_cap
 from specjax.core import shared as shared_state
 from specjax.core.ngram_table import TableConfig
@@ -190,11 +190,14 @@ class Scheduler:
         self.batch: RunningBatch | None = None  # the batch in flight, from `prepare`
         self.chunk_log: list[telemetry.ChunkRecord] = (  # every chunk (or the last `history`): what ran, why, for whom
             [] if history is None else collections.deque(maxlen=int(history)))
-        # auto with prompt lookup among its options: replay it over text other options commit
-        lookups = [s for o, s in self.specs.items() if registry.looks_up(s.method)]
-        self._replay_spec = (max(lookups, key=lambda s: s.k)
-                             if self.ccfg is not None and self.ccfg.replay_ngram and lookups else None)
-        self._lookups: dict[int, Any] = {}  # request id -> its host replay (`registry.host_replay`)
+        # auto: the options a record replays on the host (prompt lookup, forced text), each kind at its
+        # longest k, replayed over the text other options commit
+        replays: dict[str, SpecConfig] = {}
+        for s in self.specs.values():
+            if registry.looks_up(s.method) and s.k > getattr(replays.get(s.kind), "k", -1):
+                replays[s.kind] = s
+        self._replays = replays if self.ccfg is not None and self.ccfg.replay_ngram else {}
+        self._lookups: dict[int, dict[str, Any]] = {}  # request id -> {kind: its host replay}
         self._t0 = None
         if costs is not None and (self.ccfg is None or set(costs) != set(self.sizes)):
             raise ValueError(f"costs for batch sizes {sorted(costs)}: give them to an 'auto' scheduler with "
@@ -569,8 +572,10 @@ class Scheduler:
         self.slots[slot] = req
         if self.controller is not None:
             self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
-        if self._replay_spec is not None:
-            self._lookups[req.id] = registry.host_replay(self._replay_spec, req.ids + req.tokens)
+        if self._replays:
+            self._lookups[req.id] = {kind: registry.host_replay(s, req.ids + req.tokens, prompt_len=len(req.ids),
+                                                                constraint=req.constraint)
+                                     for kind, s in self._replays.items()}
         if view.done[slot]:
             self._finish(req, t, 0)
 
@@ -609,7 +614,7 @@ class Scheduler:
                 req.counters.merge(counters)
                 if self.controller is not None:
                     self.controller.observe(req.id, o.kind, counters.accepted_tokens_per_pos, counters.num_drafts)
-            self._replay(req, real=self._replay_spec is not None and o.kind == self._replay_spec.kind)
+            self._replay(req, ran=o.kind)
             if done[i]:
                 self._finish(req, t, int(forwards[i]))
         self._pack()
@@ -635,21 +640,20 @@ class Scheduler:
             req = self.slots[src]
             self.slots[dst], self.slots[src], req.slot = req, None, dst
 
-    def _replay(self, req: Request, *, real: bool) -> None:
-        """Prompt lookup's evidence on the text this chunk committed (see `ngram.replay`).
+    def _replay(self, req: Request, *, ran: str) -> None:
+        """The replayed options' evidence on the text this chunk committed (see `ngram.replay`).
 
-        After a prompt-lookup chunk the real counters were observed; the replay only catches up.
+        After a chunk of an option's own kind (`ran`) its real counters were observed; its replay
+        only catches up.
         """
-        lookup = self._lookups.get(req.id)
-        if lookup is None:
-            return
         committed = req.ids + req.tokens
-        if real:
-            lookup.extend(committed[len(lookup.tokens):])
-            return
-        kept, steps = replay(lookup, committed)
-        if steps:
-            self.controller.observe(req.id, self._replay_spec.kind, kept, steps)
+        for kind, lookup in self._lookups.get(req.id, {}).items():
+            if kind == ran:
+                lookup.extend(committed[len(lookup.tokens):])
+                continue
+            kept, steps = replay(lookup, committed)
+            if steps:
+                self.controller.observe(req.id, kind, kept, steps)
 
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)
