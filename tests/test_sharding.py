@@ -617,3 +617,31 @@ def test_ties_across_vocab_shards_pick_what_one_device_picks():
         got = jax.jit(lambda z: (sharding.top_k(z, 4)[1], jnp.argmax(z, axis=-1)))(x)
     np.testing.assert_array_equal(np.asarray(got[0]), want)
     np.testing.assert_array_equal(np.asarray(got[1]), want[..., 0])
+
+
+def test_constrained_answers_on_a_mesh_equal_one_device(assets):
+    """The constraint pool on a (2, 4) mesh (its tables replicated, each row's automaton state
+    batch-sharded): a toy automaton of tests/test_constrain_device.py under the plain loop and forced
+    text gives the one-device tokens, every answer walks it; the scheduler's pool (a slot per row,
+    uploaded at insert) gives each request its alone answer."""
+    from test_constrain_device import FORCED, STOP
+
+    target = assets[0]
+    opts = GenerateOptions(max_new_tokens=12, stop_ids=(STOP,))
+    prompts = PROMPTS[:4]
+    mesh = sharding.make_mesh(data=2, model=4)
+    for spec in (SpecConfig(), SpecConfig(method="forced", k=4)):
+        want = [r.tokens for r in Engine(target).start(prompts, opts, spec=spec, constraint=FORCED).run()]
+        got = [r.tokens for r in Engine(target, mesh=mesh).start(prompts, opts, spec=spec, constraint=FORCED).run()]
+        assert got == want, spec.label
+        assert all(FORCED.valid(t) and t[:4] == [3, 7, 3, 7] for t in got), got
+    from specjax.serving.constraints import ConstraintLimits
+    from specjax.serving.scheduler import Scheduler
+
+    sched = Scheduler(Engine(target, mesh=mesh), slots=2, opts=opts, chunk=3, max_prompt_tokens=32,
+                      constraint_pool=ConstraintLimits(states=8, classes=8))
+    for i, p in enumerate(prompts):  # constrained and free requests through two slots: the pool slots reused
+        sched.submit(p, constraint=FORCED if i % 2 == 0 else None)
+    alone = [Engine(target).start([p], opts, constraint=FORCED if i % 2 == 0 else None).run()[0].tokens
+             for i, p in enumerate(prompts)]
+    assert [r.tokens for r in sched.run()] == alone
