@@ -152,9 +152,7 @@ def test_cancel_and_reset_free_pool_slots(eng, alone):
 def test_auto_runs_forced_beside_prompt_lookup_under_constraints(eng, alone):
     """Auto choosing among plain, prompt lookup and `forced` (each at its K's) over constrained and free
     requests: every answer equals its own alone, forced chunks ran and drafted the forced text (the
-    FORCED rows accept 3 7 3 7 in one step), and nothing compiles after the warm-up. While other
-    options run, the host replays forced text over what they commit (`forced.host_replay`): the
-    controller learns that forced drafts would be kept on the FORCED rows without running it."""
+    FORCED rows accept 3 7 3 7 in one step), and nothing compiles after the warm-up."""
     from specjax.serving.controller import ControllerConfig
 
     ccfg = ControllerConfig(methods=("ngram", "forced"), ks=(0, 4), explore_every=1)
@@ -163,17 +161,36 @@ def test_auto_runs_forced_beside_prompt_lookup_under_constraints(eng, alone):
     s.prepare()
     s.warm()
     compiled = eng.compile_count
-    replayed, observe = [], s.controller.observe
-
-    def spy(row, method, kept, steps):  # evidence for forced from a chunk of another option: a replay's
-        if method == "forced" and not s.chunk_log[-1].option.startswith("forced"):
-            replayed.append((row, list(kept)))
-        return observe(row, method, kept, steps)
-
-    s.controller.observe = spy
     out = s.run(on_chunk=_rows_keep_their_pool_slots)
     assert eng.compile_count == compiled
     assert [r.tokens for r in out] == alone
     ran = {k for r in out for k in r.chunks}
     assert any(k.startswith("forced") for k in ran), ran
-    assert any(TOYS[row] is FORCED and kept[0] > 0 for row, kept in replayed), replayed
+    assert {"ngram", "forced"} <= set(s.replays.specs)  # both replayed while other options run
+
+
+def test_replays_give_forced_evidence_from_text_other_options_commit(alone):
+    """The host replays auto learns from (`specjax.serving.replays`): over a FORCED answer that the plain
+    loop committed, forced text would have kept 7 3 7 after the first token (the automaton walked on
+    the host), prompt lookup less; after a chunk of forced itself its replay only catches up; a request
+    that ends leaves nothing behind."""
+    from specjax.serving.replays import Replays
+    from specjax.serving.requests import Request
+
+    seen = []
+    replays = Replays([SpecConfig(method="ngram", k=2), SpecConfig(method="ngram", k=4), SpecConfig(method="forced", k=4),
+                       SpecConfig()], lambda: lambda row, kind, kept, steps: seen.append((row, kind, list(kept), steps)))
+    assert {k: s.k for k, s in replays.specs.items()} == {"ngram": 4, "forced": 4}  # each kind at its longest k
+    r = next(i for i, t in enumerate(TOYS) if t is FORCED)
+    req = Request(id=r, ids=PROMPTS[r], max_new_tokens=BUDGETS[r], constraint=FORCED, tokens=alone[r][:1])
+    replays.start(req)
+    req.tokens = alone[r]
+    replays.chunk(req, ran="none")
+    by_kind = {kind: (kept, steps) for _, kind, kept, steps in seen}
+    assert by_kind["forced"][0][:3] == [1, 1, 1] and sum(by_kind["forced"][0]) > sum(by_kind["ngram"][0]), seen
+    seen.clear()
+    req.tokens = alone[r] + [STOP]  # more text, committed by forced itself: no replayed evidence for it
+    replays.chunk(req, ran="forced")
+    assert all(kind == "ngram" for _, kind, _, _ in seen), seen
+    replays.end(req)
+    assert not replays._rows

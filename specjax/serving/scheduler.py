@@ -62,12 +62,12 @@ from specjax.methods.config import SpecConfig
 from specjax.serving import controller as policy
 from specjax.serving.constraints import FLAGS, ConstraintError, ConstraintLimits, PoolSlots
 from specjax.serving.controller import PLAIN, Controller, ControllerConfig, CostModel, Plan
+from specjax.serving.replays import Replays
 from specjax.core.decoder import Decoder, Inputs
 from specjax.core.slots import RunningBatch, Slots
 from specjax.core.state import DecodeState
 from specjax.serving.engine import Engine, GenerateOptions
 from specjax.methods import registry
-from specjax.core.host_lookup import replay
 from specjax.methods.predict.options import prediction_cap
 from specjax.core import shared as shared_state
 from specjax.core.ngram_table import TableConfig
@@ -190,14 +190,9 @@ class Scheduler:
         self.batch: RunningBatch | None = None  # the batch in flight, from `prepare`
         self.chunk_log: list[telemetry.ChunkRecord] = (  # every chunk (or the last `history`): what ran, why, for whom
             [] if history is None else collections.deque(maxlen=int(history)))
-        # auto: the options a record replays on the host (prompt lookup, forced text), each kind at its
-        # longest k, replayed over the text other options commit
-        replays: dict[str, SpecConfig] = {}
-        for s in self.specs.values():
-            if registry.looks_up(s.method) and s.k > getattr(replays.get(s.kind), "k", -1):
-                replays[s.kind] = s
-        self._replays = replays if self.ccfg is not None and self.ccfg.replay_ngram else {}
-        self._lookups: dict[int, dict[str, Any]] = {}  # request id -> {kind: its host replay}
+        # auto: the options replayed on the host over the text other options commit
+        self.replays = Replays(self.specs.values() if self.ccfg is not None and self.ccfg.replay_ngram else (),
+                               lambda: self.controller.observe)
         self._t0 = None
         if costs is not None and (self.ccfg is None or set(costs) != set(self.sizes)):
             raise ValueError(f"costs for batch sizes {sorted(costs)}: give them to an 'auto' scheduler with "
@@ -348,6 +343,7 @@ class Scheduler:
         else:
             return
         self._free_constraint(req)
+        self.replays.end(req)
         req.status, req.finished_s, req.stop_reason = Status.CANCELLED, self.now(), StopReason.CANCELLED
         self.live.pop(req.id, None)
 
@@ -356,7 +352,7 @@ class Scheduler:
         req.status, req.finished_s, req.stop_reason, req.error = Status.FAILED, self.now(), StopReason.ERROR, error
         req.inputs = None
         self.live.pop(req.id, None)
-        self._lookups.pop(req.id, None)
+        self.replays.end(req)
         self._free_constraint(req)
         if self.controller is not None:
             self.controller.remove_row(req.id)
@@ -572,10 +568,7 @@ class Scheduler:
         self.slots[slot] = req
         if self.controller is not None:
             self.controller.add_row(req.id, task=req.task, opt_out=req.opt_out)
-        if self._replays:
-            self._lookups[req.id] = {kind: registry.host_replay(s, req.ids + req.tokens, prompt_len=len(req.ids),
-                                                                constraint=req.constraint)
-                                     for kind, s in self._replays.items()}
+        self.replays.start(req)
         if view.done[slot]:
             self._finish(req, t, 0)
 
@@ -614,7 +607,7 @@ class Scheduler:
                 req.counters.merge(counters)
                 if self.controller is not None:
                     self.controller.observe(req.id, o.kind, counters.accepted_tokens_per_pos, counters.num_drafts)
-            self._replay(req, ran=o.kind)
+            self.replays.chunk(req, ran=o.kind)
             if done[i]:
                 self._finish(req, t, int(forwards[i]))
         self._pack()
@@ -640,21 +633,6 @@ class Scheduler:
             req = self.slots[src]
             self.slots[dst], self.slots[src], req.slot = req, None, dst
 
-    def _replay(self, req: Request, *, ran: str) -> None:
-        """The replayed options' evidence on the text this chunk committed (see `ngram.replay`).
-
-        After a chunk of an option's own kind (`ran`) its real counters were observed; its replay
-        only catches up.
-        """
-        committed = req.ids + req.tokens
-        for kind, lookup in self._lookups.get(req.id, {}).items():
-            if kind == ran:
-                lookup.extend(committed[len(lookup.tokens):])
-                continue
-            kept, steps = replay(lookup, committed)
-            if steps:
-                self.controller.observe(req.id, kind, kept, steps)
-
     def _finish(self, req: Request, t: float, forwards: int) -> None:
         stops = req.stop_ids or self.engine.stop_ids(self.opts)
         req.stop_reason = telemetry.stop_reason(req.tokens, stops, req.max_new_tokens, met=req.constraint is None or
@@ -664,7 +642,7 @@ class Scheduler:
         self.live.pop(req.id, None)
         if self.controller is not None:
             self.controller.remove_row(req.id)
-        self._lookups.pop(req.id, None)
+        self.replays.end(req)
         self._free_constraint(req)
 
     # ---- reporting ---------------------------------------------------------------------------
