@@ -64,7 +64,6 @@ def scored(logits: Float[Array, "B W V"], tokens: Int[Array, "B W"], top: int) -
     return Logprobs(chosen=chosen, top_ids=ids.astype(jnp.int32), top_values=values - lse[..., None])
 
 
-
 class TokenLogprob(NamedTuple):
     """One generated token's record, as a host hands it on: its log-probability, and its position's
     most likely tokens as (id, log-probability) pairs, most likely first."""

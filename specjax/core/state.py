@@ -123,6 +123,8 @@ def commit(
     tokens = put(state.tokens, new)
     logprobs = state.logprobs
     if logprobs is not None:
+        if scores is None:
+            raise ValueError("this state records log-probabilities: give commit the new tokens' scores (scores_of)")
         logprobs = jax.tree.map(put, logprobs, scores)
     lengths = state.lengths + take
     stopped = (stop & kept).any(axis=1)
