@@ -138,6 +138,18 @@ def test_bad_biases_are_refused_by_name():
     assert sampling.check_logit_bias({"7": -100, 3: 0.5}) == {7: -100.0, 3: 0.5}
 
 
+def test_bad_logprobs_are_refused_by_name(eng):
+    """`logprobs` out of [0, 20], or not an integer, is one error naming the argument, before a compile."""
+    before = eng.compile_count
+    for bad in (21, -1, True, "5", 2.5):
+        with pytest.raises(ValueError, match=rf"logprobs={bad!r}: must be an integer in \[0, 20\]"):
+            eng.generate([[1, 2]], max_new_tokens=2, logprobs=bad)
+    for bad in (21, -1, True):  # ints (the test session's type checker refuses the rest at the annotation)
+        with pytest.raises(ValueError, match=rf"logprobs={bad!r}"):
+            Decoder(cache_length=16, logprobs=bad)
+    assert eng.compile_count == before
+
+
 # ---- sampling with a bias keeps the biased target's distribution -------------------------------
 
 

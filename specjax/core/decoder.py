@@ -381,7 +381,7 @@ class Decoder:
     def __post_init__(self):
         sharding.check_mesh(self.mesh)
         if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", check_top(self.logprobs))
+            object.__setattr__(self, "logprobs", check_top(self.logprobs, "logprobs"))
         if self.proposer is not None and not isinstance(self.proposer, Proposer):
             raise TypeError(f"{type(self.proposer).__name__} is not a Proposer: it must declare k, topology, "
                             "taps, init, propose and reconcile (specjax.core.proposer)")

@@ -23,10 +23,16 @@ MAX_TOP = 20  # OpenAI's bound on top_logprobs
 AnyArray = Array | np.ndarray  # on device, or a host view's numpy copy
 
 
-def check_top(top) -> int:
-    """`top` alternatives per token, checked: an integer in [0, MAX_TOP]."""
-    if isinstance(top, bool) or int(top) != top or not 0 <= top <= MAX_TOP:
-        raise ValueError(f"top_logprobs={top!r}: must be an integer in [0, {MAX_TOP}]")
+def check_top(top, name: str = "top_logprobs") -> int:
+    """`top` alternatives per token, checked: an integer in [0, MAX_TOP] (`name`: the argument's, for
+    the error)."""
+    try:
+        ok = not isinstance(top, bool) and int(top) == top and 0 <= top <= MAX_TOP
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}={top!r}: must be an integer in [0, {MAX_TOP}], the alternatives recorded per token "
+                         "(None: record no logprobs)")
     return int(top)
 
 

@@ -393,7 +393,7 @@ class Engine:
         predicted = self.encode_predictions(prediction, len(ids))
         constraint = self.constraint_for(response_format=response_format, regex=regex, choice=choice)
         biases = self.logit_biases(logit_bias, len(ids))
-        logprobs = None if logprobs is None else check_top(logprobs)
+        logprobs = None if logprobs is None else check_top(logprobs, "logprobs")
         sharding.check_batch(batch_size or self.rows_for(b), self.mesh)
         built = self.proposer(spec)  # validates the method (heads present, k in range, ...), once per call
         results: list[Result] = []

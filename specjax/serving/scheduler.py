@@ -174,7 +174,7 @@ class Scheduler:
         if isinstance(logit_bias, bool) or int(logit_bias) != logit_bias or logit_bias < 0:
             raise ValueError(f"logit_bias={logit_bias}: the most entries a request may bring, an integer >= 0")
         self.logit_bias = int(logit_bias) or None  # rows' logit_bias width (None: no row carries one)
-        self.logprobs = None if logprobs is None else check_top(logprobs)
+        self.logprobs = None if logprobs is None else check_top(logprobs, "logprobs")
         self.sc = opts.sampling
         self.max_prompt_tokens = max_prompt_tokens
         if history is not None and (int(history) != history or history < 1):
