@@ -70,6 +70,16 @@ def interleaved(calls: dict, repeats: int) -> dict[object, list[float]]:
     return samples
 
 
+def alternating(arms, repeats: int, run) -> dict[object, list]:
+    """`run(arm)` for every arm, `repeats` rounds, the order reversed every other round (whole runs
+    of a host path, where `interleaved` times one jitted call)."""
+    out = {a: [] for a in arms}
+    for i in range(repeats):
+        for a in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+            out[a].append(run(a))
+    return out
+
+
 def measure_bandwidth(mib: int = 512, repeats: int = 9) -> float:
     """Read bandwidth, bytes/s: the better of a jitted fp32 sum over a `mib`-MiB array and a
     matrix-vector product over it (what a decode step is), best of `repeats` each."""

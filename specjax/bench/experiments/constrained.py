@@ -18,17 +18,9 @@ import argparse
 import statistics
 
 from specjax.bench.prompts import DEMO, read_prompts
+from specjax.bench.verify_profile import alternating
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine, GenerateOptions
-
-
-def _interleaved(arms: dict, repeats: int, run) -> dict[str, list]:
-    """`run(arm)` for every arm, `repeats` rounds, the order reversed every other round."""
-    out: dict[str, list] = {a: [] for a in arms}
-    for i in range(repeats):
-        for a in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-            out[a].append(run(a))
-    return out
 
 
 def mask_cost(engine: Engine, prompt: str, tables, *, max_new_tokens: int, repeats: int) -> dict:
@@ -42,7 +34,7 @@ def mask_cost(engine: Engine, prompt: str, tables, *, max_new_tokens: int, repea
         (res,) = batch.run()
         return batch.decode_s / max(1, res.target_forwards) * 1e3
 
-    ms = _interleaved(arms, repeats, run)
+    ms = alternating(arms, repeats, run)
     free, held = statistics.median(ms["free"]), statistics.median(ms["constrained"])
     return dict(free_ms=free, constrained_ms=held, cost=held / free - 1)
 
@@ -57,7 +49,7 @@ def methods(engine: Engine, prompt: str, tables, specs: dict[str, SpecConfig], *
         batch.run()
         return batch.decode_s
 
-    secs = _interleaved(specs, repeats, run)
+    secs = alternating(specs, repeats, run)
     plain = statistics.median(secs["none"]) if "none" in secs else None
     return {a: dict(tokens=r.new_tokens, forwards=r.target_forwards, tau=r.tau, same=r.tokens == first["none"].tokens
                     if "none" in first else None, decode_s=statistics.median(secs[a]),

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from specjax.bench.experiments.constrained import _interleaved
 from specjax.bench.prompts import DEMO, read_prompts
+from specjax.bench.verify_profile import alternating
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine, GenerateOptions
 
@@ -32,7 +32,7 @@ def cost(engine: Engine, prompt: str, spec: SpecConfig, *, top: int, max_new_tok
         (res,) = batch.run()
         return batch.decode_s / max(1, res.target_forwards) * 1e3
 
-    ms = {a: statistics.median(v) for a, v in _interleaved(arms, repeats, run).items()}
+    ms = {a: statistics.median(v) for a, v in alternating(arms, repeats, run).items()}
     off, on = ms["off"], ms[f"top {top}"]
     return dict(off_ms=off, on_ms=on, cost=on / off - 1, forwards=first["off"].target_forwards)
 

@@ -19,6 +19,7 @@ SentencePiece: its decoded text).
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 from specjax.constrain import token_bytes
@@ -90,6 +91,6 @@ class Formatter:
     def completion(self, tokens: Sequence[int], records: Sequence[TokenLogprob], offset: int = 0) -> dict:
         """`offset`: characters of generated text before these tokens (a stream's earlier chunks)."""
         texts = [self.text_of(t) for t in tokens]
-        starts = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        starts = list(itertools.accumulate(map(len, texts[:-1]), initial=offset))[: len(texts)]
         return {"tokens": texts, "token_logprobs": [r.logprob for r in records],
                 "top_logprobs": [{self.text_of(i): v for i, v in r.top} for r in records], "text_offset": starts}
