@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import need_module
-from tiny_server import (MAX_TOKENS, MODEL, PROMPTS, free_port, healthy, idle, running, shared_engine, tiny_engine,
-                         tiny_server, wait_until)
+from tiny_server import (MAX_TOKENS, MODEL, PROMPTS, HookedBatch, free_port, healthy, idle, running, shared_engine,
+                         tiny_engine, tiny_server, wait_until)
 
 from specjax.core import ngram_table
 from specjax.methods.config import SpecConfig
@@ -443,13 +443,7 @@ def test_first_token_streams_before_the_first_chunk(served, monkeypatch):
     """The first token (from the prefill) reaches the client before the chunk after it has run."""
     eng, server, url = served
     wait_until(lambda: idle(server), 10, "the engine to go idle")
-    run_chunk = server.sched.batch.run
-
-    def slow_chunk(*a, **kw):
-        time.sleep(2.0)
-        return run_chunk(*a, **kw)
-
-    monkeypatch.setattr(server.sched.batch, "run", slow_chunk)
+    monkeypatch.setattr(server.sched.batch, "before_run", lambda: time.sleep(2.0))  # a slow chunk
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "stream": True, "speculation": "off"}
     t0, first = time.perf_counter(), None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -484,15 +478,13 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
     eng, server, url = served
     sched = server.sched
     need_module("openai")
-    insert = sched.batch.insert
     bad = eng.tokenizer.encode("QQQ")
 
-    def failing_insert(slot, inputs):  # an error in this request's admission (before its prefill ran)
+    def failing_insert(inputs):  # an error in this request's admission (before its prefill ran)
         if _prompt_of(inputs) == bad:
             raise RuntimeError("this request's prefill failed")
-        return insert(slot, inputs)
 
-    monkeypatch.setattr(sched.batch, "insert", failing_insert)
+    monkeypatch.setattr(sched.batch, "before_insert", failing_insert)
     submit, late = sched.submit, eng.tokenizer.encode("ZZZ")
 
     def late_check(ids, **kw):  # bad input caught only by the scheduler: that request's 400
@@ -515,13 +507,12 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference[("completion", p)]
     assert all(r.status != "queued" for r in sched.requests)
 
-    run_loop, failed = sched.batch.run, []
+    failed = []
 
-    def device_error(*a, **kw):  # once all four are running, one chunk fails as a device error would
+    def device_error():  # once all four are running, one chunk fails as a device error would
         if not failed and sched.snapshot().running == sched.b:
             failed.append(1)
             raise RuntimeError("XLA device lost")
-        return run_loop(*a, **kw)
 
     step = sched.step
 
@@ -529,7 +520,7 @@ def test_a_failing_request_fails_alone_and_an_engine_error_fails_only_those_in_f
         time.sleep(0.05)
         return step()
 
-    monkeypatch.setattr(sched.batch, "run", device_error)
+    monkeypatch.setattr(sched.batch, "before_run", device_error)
     monkeypatch.setattr(sched, "step", slow_step)
 
     async def in_flight():
@@ -809,19 +800,22 @@ def _prompt_of(inputs) -> list[int]:
     return np.asarray(inputs.prompts)[0, :int(inputs.prompt_lengths[0])].tolist()
 
 
-def test_scheduler_failures_history_and_requested_speculation(served, reference, monkeypatch):
+def test_scheduler_failures_history_and_requested_speculation(served, reference):
     """The scheduler under the server, directly (its programs are the served ones): a request that
     fails at admission ends "failed" and the others finish; after a chunk error `reset_batch` fails
     the running ones and the queued ones then finish exactly; the history is bounded; a chunk runs
     the option its requests name, plain while an opted-out one runs."""
     eng = served[0]
     s = srv.scheduler_for(eng, method="ngram", spec=SpecConfig(method="ngram", k=4), slots=4, max_tokens=MAX_TOKENS,
-                          max_prompt_tokens=64, chunk=4, history=3)
+                          max_prompt_tokens=64, chunk=4, history=3, batch_engine=HookedBatch)
     s.prepare()
     ids = [eng.encode([p])[0] for p in PROMPTS]
-    insert = s.batch.insert
-    monkeypatch.setattr(s.batch, "insert", lambda slot, inputs: (_ for _ in ()).throw(RuntimeError("bad row"))
-                        if _prompt_of(inputs) == ids[0] else insert(slot, inputs))
+
+    def bad_row(inputs):
+        if _prompt_of(inputs) == ids[0]:
+            raise RuntimeError("bad row")
+
+    s.batch.before_insert = bad_row
     rids = [s.submit(x) for x in ids]
     s.run()
     reqs = {r.id: r for r in s.requests}
@@ -830,7 +824,7 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     for rid, p in zip(rids[1:], PROMPTS[1:]):
         assert reqs[rid].status == "finished" and reqs[rid].tokens == reference[("completion", p)]
     s.cancel(rids[0])  # an id no longer known: a no-op
-    monkeypatch.setattr(s.batch, "insert", insert)
+    s.batch.before_insert = None
 
     first = [s.submit(x) for x in ids[:2]]
     later = s.submit(ids[2])
@@ -842,13 +836,12 @@ def test_scheduler_failures_history_and_requested_speculation(served, reference,
     rows = [r for r in snap.rows if r is not None]
     assert sorted(r.request for r in rows) == sorted([*first, later]) and rows[0].slot == 0
     assert all(r.status == "running" and r.tokens >= 1 for r in rows)
-    run_loop = s.batch.run
-    monkeypatch.setattr(s.batch, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    s.batch.before_run = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
     with pytest.raises(RuntimeError, match="device lost"):
         s.step()
     failed = s.reset_batch("engine error: device lost")
     assert {r.id for r in failed} == {*first, later} and all(r.status == "failed" for r in failed)
-    monkeypatch.setattr(s.batch, "run", run_loop)
+    s.batch.before_run = None
     again = s.submit(ids[3])
     s.run()
     assert s.live == {} and all(r is None for r in s.slots)

@@ -13,6 +13,7 @@ from conftest import need_module
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from specjax.core.slots import RunningBatch
 from specjax.methods.config import SpecConfig
 from specjax.models import config as model_config
 from specjax.models import loader
@@ -40,10 +41,33 @@ def tiny_engine() -> Engine:
     return Engine(loader.init_model(model_config.preset("tiny"), seed=0), tok, buckets=(32, 64), name=MODEL)
 
 
+class HookedBatch(RunningBatch):
+    """The server tests' batch engine (`Scheduler(batch_engine=)`, a `specjax.core.slots.BatchEngine`):
+    the library's own, with two hooks a test sets to inject what a device or a request may do.
+
+    Attributes:
+      before_insert: called with a request's inputs before its prefill; it may raise (a failed prefill).
+      before_run: called before each chunk; it may raise (a device error) or sleep (a slow chunk).
+    """
+
+    before_insert = None
+    before_run = None
+
+    def insert(self, slot, inputs):
+        if self.before_insert is not None:
+            self.before_insert(inputs)
+        return super().insert(slot, inputs)
+
+    def run(self, o, steps, *, size=None):
+        if self.before_run is not None:
+            self.before_run()
+        return super().run(o, steps, size=size)
+
+
 def tiny_server(eng: Engine, temperature: float = 0.0, **config) -> srv.Server:
     sched = srv.scheduler_for(eng, method="ngram", spec=SpecConfig(method="ngram", k=4), slots=4,
                               max_tokens=MAX_TOKENS, max_prompt_tokens=64, chunk=4, history=64,
-                              temperature=temperature)
+                              temperature=temperature, batch_engine=HookedBatch)
     return srv.Server(sched, srv.ServeConfig(model_name=MODEL, **{"max_queue": 40, **config}))
 
 

@@ -15,8 +15,8 @@ compiled program again, and `view` returns a replicated copy that every process 
 transfer.
 
 `RunningBatch` (below) holds a batch in flight: the state, every compiled program and the host's copy
-of the lengths; a continuous-batching host (`specjax.serving.scheduler.Scheduler`) keeps only its queue, its
-timing and its controller.
+of the lengths (what `BatchEngine` declares); a continuous-batching host
+(`specjax.serving.scheduler.Scheduler`) keeps only its queue, its timing and its controller.
 
 Example (the operations alone, what `RunningBatch` runs per request and per chunk):
   >>> slots = Slots(base=Decoder(cache_length=S), decoders=(ngram_decoder,))
@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +229,36 @@ class Chunk:
         if row >= self.view.stats.drafted.shape[0]:
             return SpecCounters()
         return SpecCounters.from_stats(self.view.stats, row)
+
+
+class BatchEngine(Protocol):
+    """What a continuous-batching host drives (`specjax.serving.scheduler.Scheduler`): a batch in flight
+    and its operations, every program compiled before the first request. `RunningBatch` is the one
+    this library builds (`specjax.serving.options.OptionSet.build`); a test may give its own.
+    Options are the batch's names for them (None: plain)."""
+
+    state: DecodeState
+    pstates: tuple
+    pparams: tuple
+    compile_s: float
+
+    def compile_insert(self, inputs: Inputs) -> Any: ...  # the insert at the bucket of `inputs`
+
+    def warm_inserts(self) -> None: ...
+
+    def insert(self, slot: int, inputs: Inputs) -> HostView: ...  # a batch of one into row `slot`
+
+    def upload(self, pool_slot: int, tables) -> None: ...  # a constraint's tables into the pool
+
+    def release(self, slot: int) -> None: ...
+
+    def move(self, src: int, dst: int) -> None: ...
+
+    def run(self, o: int | None, steps: int, *, size: int | None = None) -> Chunk: ...
+
+    def fork(self, inputs: Inputs) -> "BatchEngine": ...  # the same programs on other rows
+
+    def reset(self) -> HostView: ...  # every row a placeholder, done
 
 
 class RunningBatch:

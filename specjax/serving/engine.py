@@ -1,4 +1,5 @@
-"""Host side of offline decoding: tokenizing, validation, bucketing, the compile cache, timing, streaming.
+"""Host side of offline decoding: the methods' assets, the compile cache, decoders and batches; its text
+side (tokenizing, validation, bucketing) is `specjax.serving.prompts.Prompts`.
 
 The Engine decides nothing about decoding itself: it builds a `specjax.Decoder` (proposer from the
 registry, acceptance rule, sampling method, cache length from `decoder.cache_length`) and `Inputs`
@@ -12,25 +13,24 @@ the same bucket reuses the program.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from typing import Sequence
 
 import jax
 from flax import nnx
 
-from specjax import memory, sharding
-from specjax.methods.config import SpecConfig
-from specjax.core.decoder import Decoder, Inputs, window_of
+from specjax import constrain, memory, sharding
 from specjax.core import decoder as core
 from specjax.core.constraint import PoolSpec
-from specjax import constrain
-from specjax.methods import registry
-from specjax.methods.predict.options import prediction_cap
+from specjax.core.decoder import Decoder, Inputs, window_of
 from specjax.core.logprobs import check_top
-from specjax.core.sampling import Sampling, check_logit_bias
+from specjax.core.sampling import Sampling
+from specjax.methods import registry
+from specjax.methods.config import SpecConfig
+from specjax.methods.predict.options import prediction_cap
 from specjax.serving.batch import (Batch, GenerateOptions, Result, _positive_int, _prompt_list,  # noqa: F401 (re-exported)
                                    _values)
+from specjax.serving.prompts import Prompts
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -53,10 +53,13 @@ class Engine:
         model = sharding.place_module(model, self.mesh)  # params placed once, by their logical axes
         self.model = model
         self.config = model.config
-        self.tokenizer = tokenizer
         self.name = name
-        self.buckets = tuple(b for b in sorted(buckets) if b <= self.config.max_seq_len) or (
-            self.config.max_seq_len,)
+        # the text side (`specjax.serving.prompts`): tokenizing and checking every request's input
+        self.prompts = p = Prompts(tokenizer, vocab=self.config.vocab_size, max_seq_len=self.config.max_seq_len,
+                                   buckets=buckets)
+        self.buckets, self.encode, self.encode_predictions, self.logit_biases = (
+            p.buckets, p.encode, p.encode_predictions, p.logit_biases)
+        self.check, self.bucket_for, self.stop_ids, self.constraint_for = p.check, p.bucket_for, p.stop_ids, p.constraint_for
         self.graphdef, self.params = nnx.split(model)
         self.assets = registry.Assets(target=model, name=name, weights_id=weights_id)
         self._compiled: dict[tuple, object] = {}
@@ -151,99 +154,14 @@ class Engine:
                       acceptance=registry.acceptance_rule(spec) if proposer is not None else None, mesh=self.mesh)
         return dec, pparams
 
-    # ---- input handling ------------------------------------------------------------------------
-    def encode(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False) -> list[list[int]]:
-        """Token ids for each prompt (strings are tokenized, with the chat template if asked)."""
-        if chat and self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat=True (--chat) needs the model's chat template, and this model has none (a base "
-                             "model completes text): give the prompt as plain text, without --chat")
-        out = []
-        for i, p in enumerate(_prompt_list(prompts)):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("this Engine has no tokenizer: pass token ids, not strings")
-                if chat:
-                    p = self.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                    ids = self.tokenizer.encode(p, add_bos=False)
-                else:
-                    ids = self.tokenizer.encode(p)
-            else:
-                try:
-                    ids = [operator.index(t) for t in p]
-                except TypeError:
-                    raise ValueError(f"prompt {i} is {p!r}: each prompt is a string or a list of integer token "
-                                     "ids; pass a list of prompts, e.g. [[1, 2, 3]] or [\"text\"]") from None
-            if not ids:
-                raise ValueError(f"prompt {i} is empty: give at least one token or character")
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:4]} outside [0, {self.config.vocab_size})")
-            out.append(ids)
-        return out
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None: token ids only); `prompts` reads it."""
+        return self.prompts.tokenizer
 
-    def encode_predictions(self, prediction, n: int) -> list[list[int] | None] | None:
-        """Token ids of each prompt's predicted output (`prediction`: one entry per prompt, a string,
-        token ids or None; None: no prompt has one). Text is tokenized without BOS, as the answer
-        continues the prompt."""
-        if prediction is None:
-            return None
-        if isinstance(prediction, (str, bytes)):
-            raise ValueError("prediction is one string: give one per prompt, e.g. prediction=[text] "
-                             "(None for a prompt without one)")
-        rows = list(prediction)
-        if len(rows) != n:
-            raise ValueError(f"prediction has {len(rows)} entries for {n} prompts: give one per prompt (None for none)")
-        out = []
-        for i, p in enumerate(rows):
-            if p is None:
-                out.append(None)
-                continue
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("this Engine has no tokenizer: give predictions as token ids, not strings")
-                ids = self.tokenizer.encode(p, add_bos=False)
-            else:
-                try:
-                    ids = [operator.index(t) for t in p]
-                except TypeError:
-                    raise ValueError(f"prediction {i} is {p!r}: give a string or a list of integer token ids") from None
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prediction {i} has token ids {bad[:4]} outside [0, {self.config.vocab_size})")
-            out.append(ids)
-        return out
-
-    def bucket_for(self, length: int) -> int:
-        for b in self.buckets:
-            if length <= b:
-                return b
-        raise ValueError(
-            f"prompt of {length} tokens is longer than the largest bucket ({self.buckets[-1]}); "
-            "shorten the prompt or pass larger `buckets=` (up to the model's max_seq_len "
-            f"{self.config.max_seq_len})")
-
-    def stop_ids(self, opts: GenerateOptions) -> tuple[int, ...]:
-        """The stop tokens of a call: the options' own, else the tokenizer's."""
-        if opts.stop_ids is not None:
-            return tuple(opts.stop_ids)
-        return tuple(getattr(self.tokenizer, "stop_ids", ()) or ())
-
-    def check(self, prompts, opts: GenerateOptions, *, chat: bool = False) -> list[list[int]]:
-        """Validates prompts and options without compiling; returns the token ids."""
-        opts.validate()
-        ids = self.encode(prompts, chat=chat)
-        for x in ids:
-            self.bucket_for(len(x))
-            if len(x) + opts.max_new_tokens > self.config.max_seq_len:
-                raise ValueError(
-                    f"prompt ({len(x)} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the "
-                    f"model's context of {self.config.max_seq_len}; lower max_new_tokens")
-        n = len(ids)
-        for name in ("temperature", "top_k", "top_p"):
-            v = _values(getattr(opts, name))
-            if len(v) not in (1, n):
-                raise ValueError(f"{name} has {len(v)} values for {n} prompts: give one, or one per prompt")
-        return ids
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.prompts.tokenizer = tokenizer
 
     # ---- compile cache -------------------------------------------------------------------------
     def program(self, fn, decoder, *args, weights: bool = True, **statics):
@@ -318,29 +236,6 @@ class Engine:
         parts = core.constraint_parts(dec, () if constraint is None else (constraint,), inputs)
         return Batch(self, dec, pparams, inputs, n_real=len(ids), method=spec.method, predictions=predicted,
                      parts=parts, constraint=constraint)
-
-    def logit_biases(self, logit_bias, n: int) -> list[dict[int, float] | None] | None:
-        """Each of `n` prompts' logit_bias, checked against the vocabulary (`sampling.check_logit_bias`):
-        `logit_bias` is one map for every prompt, one per prompt (None for none), or None."""
-        if logit_bias is None:
-            return None
-        rows = [logit_bias] * n if isinstance(logit_bias, dict) else list(logit_bias)
-        if len(rows) != n:
-            raise ValueError(f"logit_bias has {len(rows)} entries for {n} prompts: give one map for all, or one "
-                             "per prompt (None for none)")
-        rows = [None if not r else check_logit_bias(r, self.config.vocab_size) for r in rows]
-        return None if not any(rows) else rows
-
-    def constraint_for(self, *, response_format: dict | None = None, regex: str | None = None,
-                       choice: Sequence[str] | None = None) -> constrain.TokenTables | None:
-        """The tables of a constraint (`specjax.constrain.from_request`, compiled once and cached), or
-        None for none; needs the model's tokenizer."""
-        if response_format is None and regex is None and choice is None:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("a constraint (response_format, regex, choice) needs the model's tokenizer")
-        return constrain.from_request(self.tokenizer, response_format=response_format, regex=regex,
-                                      choice=None if choice is None else list(choice))
 
     def pool_for(self, tables) -> PoolSpec:
         """A pool of one constraint slot sized to `tables` (rounded up to powers of two, so constraints

@@ -19,7 +19,7 @@ import numpy as np
 from specjax import telemetry
 from specjax.methods.config import SpecConfig
 from specjax.core.decoder import Inputs
-from specjax.core.logprobs import TokenLogprob
+from specjax.core.logprobs import TokenLogprob, entries
 from specjax.methods.predict.usage import prediction_usage
 from specjax.telemetry import SpecCounters, StopReason
 
@@ -79,6 +79,18 @@ class Request:
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks run per option
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per token, when it asked for them
     inputs: Inputs | None = dataclasses.field(default=None, repr=False)  # its batch of one (Inputs.create)
+
+    def commit(self, view, start: int, t: float) -> None:
+        """Appends what its row of the host view `view` holds from column `start` on, emitted at `t`:
+        the tokens and, when it asked, their log-probabilities."""
+        stop = int(view.lengths[self.slot])
+        new = view.tokens[self.slot, start:stop].tolist()
+        if new:
+            self.tokens += new
+            self.emissions.append((t, len(new)))
+        if new and self.top_logprobs is not None:
+            got = entries(view.logprobs, self.slot, int(start), stop)
+            self.logprobs += [e._replace(top=e.top[:self.top_logprobs]) for e in got]
 
     @property
     def ttft_s(self) -> float:
@@ -140,6 +152,17 @@ class SchedulerSnapshot:
     live: int
     rows: tuple[RowSnapshot | None, ...]
     last_chunk: telemetry.ChunkRecord | None = None
+
+    @classmethod
+    def of(cls, slots, *, queued: int, live: int, log) -> "SchedulerSnapshot":
+        """The snapshot of a scheduler's `slots` (a request or None per slot) and its chunk log. It
+        copies the slot list and reads each length in one step, so every value is one the scheduler
+        had (a server's event loop reads it while the engine thread steps), though two values may be
+        a chunk boundary apart."""
+        rows = tuple(None if r is None else RowSnapshot(slot=i, request=r.id, status=r.status, tokens=len(r.tokens),
+                                                        task=r.task, tenant=r.tenant)
+                     for i, r in enumerate(list(slots)))
+        return cls(slots=len(rows), queued=queued, live=live, rows=rows, last_chunk=log[-1] if log else None)
 
     @property
     def running(self) -> int:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Callable
 
+from specjax.core.slots import BatchEngine, RunningBatch
 from specjax.methods.config import SpecConfig
 from specjax.serving.constraints import ConstraintLimits
 from specjax.serving.controller import ControllerConfig
@@ -34,14 +36,16 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
                   max_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0,
                   chunk: int = 8, batch_sizes=None, controller: ControllerConfig | None = None,
                   history: int = 4096, constraint_pool: ConstraintLimits | None = None,
-                  logit_bias: int = 300, logprobs: int | None = 20) -> Scheduler:
+                  logit_bias: int = 300, logprobs: int | None = 20,
+                  batch_engine: Callable[..., BatchEngine] = RunningBatch) -> Scheduler:
     """The scheduler a server runs: `method` "auto" (the controller; plain among its options),
     "none", or a fixed method (`spec`) with the plain loop compiled beside it, so that a request
     may say "speculation": "off". `temperature` > 0 compiles the sampled programs (and is each
     request's default); `history` bounds the request list and the chunk log; `constraint_pool`: the
     largest constraint a request may bring (`response_format`, `regex`, `choice`; None: refused);
     `logit_bias`: the most logit_bias entries a request may bring (0: refused); `logprobs`: the
-    most alternatives per token a request may ask for with its logprobs (None: refused)."""
+    most alternatives per token a request may ask for with its logprobs (None: refused);
+    `batch_engine`: what builds the batch in flight (`Scheduler(batch_engine=)`)."""
     opts = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature)
     if method == "auto":
         s = "auto"
@@ -52,7 +56,7 @@ def scheduler_for(engine: Engine, *, method: str = "auto", spec: SpecConfig | No
     return Scheduler(engine, slots=slots, spec=s, controller=controller, opts=opts, chunk=chunk,
                      max_prompt_tokens=max_prompt_tokens, batch_sizes=batch_sizes,
                      with_plain=True, history=history, constraint_pool=constraint_pool, logit_bias=logit_bias,
-                     logprobs=logprobs)
+                     logprobs=logprobs, batch_engine=batch_engine)
 
 
 def run(server: Server, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
