@@ -207,13 +207,14 @@ struct Work {
 
 // Splits the weight rows of `work`'s parts (`W`: dense_nk's Work or qdense_nk's QWork) into blocks,
 // hands them out over the pool, runs them on this thread too and waits for the last.
+// `align`: blocks are a multiple of it (weight rows a kernel takes together).
 template <class W>
-void run_split(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t total) {
+void run_split(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t total, int64_t align = NB) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // a few blocks per thread (load balance on a busy machine), each at least ~64 KiB of weights
   int64_t block = (total + 4 * threads - 1) / (4 * threads);
   block = std::max<int64_t>(block, (1 << 16) / (4 * std::max<int64_t>(work->K, 1)));
-  block = std::max<int64_t>(NB, (block + NB - 1) / NB * NB);
+  block = std::max<int64_t>(align, (block + align - 1) / align * align);
   work->block = block;
   int64_t nblocks = 0;
   for (int p = 0; p < work->nparts; ++p) {

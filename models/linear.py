@@ -413,7 +413,21 @@ def packed_kernel_status() -> str:
     return "disabled by SPECJAX_DENSE_KERNEL=0" if _disabled() else _STATUS.get("packed", "not built")
 
 
-def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str = _QSYMBOL,
+_PACKED_TARGET = [_QSYMBOL]  # the build the products trace to (`packed_target`)
+
+
+@contextlib.contextmanager
+def packed_target(target: str | None):
+    """Products traced inside call `target` (a `register_packed_variant` build; None: the default):
+    an A/B of two builds of the kernel in one process."""
+    old, _PACKED_TARGET[0] = _PACKED_TARGET[0], target or _QSYMBOL
+    try:
+        yield
+    finally:
+        _PACKED_TARGET[0] = old
+
+
+def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str | None = None,
                      arith: str = "exact"):
     """`x[M, K] @ W.T` for a GGUF weight `W[N, K]` given as its blocks (uint8 `[N, K / block * bytes]`,
     `specjax.models.quant`), through the C++ kernel: equal bit for bit to `dense_nk_kernel(x, W)` on the
@@ -423,7 +437,7 @@ def qdense_nk_kernel(x, blocks, qtype: str, shape: tuple[int, int], target: str 
     return qdense_nk_kernels(x, (blocks,), qtype, (shape,), target, arith)[0]
 
 
-def qdense_nk_kernels(x, blocks, qtype: str, shapes, target: str = _QSYMBOL, arith: str = "exact") -> tuple:
+def qdense_nk_kernels(x, blocks, qtype: str, shapes, target: str | None = None, arith: str = "exact") -> tuple:
     """`qdense_nk_kernel` for 1..`MAX_PARTS` weights of one block type (`blocks[i]` of shape
     `shapes[i]`), one kernel call: x quantized once (q8), the work split over the threads as one
     product's; each result equals its own call bit for bit."""
@@ -443,7 +457,7 @@ def qdense_nk_kernels(x, blocks, qtype: str, shapes, target: str = _QSYMBOL, ari
     import numpy as np
 
     outs = [jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n, _ in shapes]
-    return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
+    return tuple(jax.ffi.ffi_call(target or _PACKED_TARGET[0], outs, vmap_method="sequential")(
         x, *blocks, qtype=np.int32(QTYPE_CODES[qtype]), mode=np.int32(mode)))
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.bench import verify_profile
-from specjax.models import cpu_attention, loader
+from specjax.models import cpu_attention, linear, loader
 
 
 def _forward(model):
@@ -91,22 +91,31 @@ def main(argv=None) -> None:
     p.add_argument("--formats", default="packed,packed-q8,dequantized")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--ops", action="store_true", help="also list each step's ops by kind (kernel attention)")
+    p.add_argument("--ab-flags", default="", help="also time each packed format with the packed kernel built with "
+                   "these extra compiler flags, as format@ab (an A/B of two builds in one run; e.g. "
+                   "-DSPECJAX_Q8_NO_X16: q8 without the 16-row tile)")
     a = p.parse_args(argv)
     windows = [int(w) for w in a.windows.split(",")]
     attention = ("kernel", "xla") if cpu_attention.available() else ("xla",)
-    steps = {}
+    builds = {"": None}
+    if a.ab_flags:
+        builds["@ab"] = linear.register_packed_variant("specjax_qdense_nk_ab", tuple(a.ab_flags.split()))
+    steps, formats = {}, []
     for fmt in a.formats.split(","):
         weights, _, arith = fmt.partition("-")
         model = loader.load(a.model, weights=weights, weights_arith=arith or "exact").model
-        for att in attention:
-            for t in windows:
-                steps[(fmt, att, t)] = _Step(model, t, a.at, a.cache, att == "kernel")
+        for suffix, target in builds.items() if weights == "packed" else [("", None)]:
+            formats.append(fmt + suffix)
+            for att in attention:
+                for t in windows:
+                    with linear.packed_target(target):
+                        steps[(fmt + suffix, att, t)] = _Step(model, t, a.at, a.cache, att == "kernel")
     samples = verify_profile.interleaved({k: (s, ()) for k, s in steps.items()}, a.repeats)
     print(f"{a.model}, cache {a.cache}, window at position {a.at}; attention kernel: {cpu_attention.status()}; "
           f"median ms of {a.repeats}, interleaved\n")
     print("| weights | attention | " + " | ".join(f"T={t}" for t in windows) + " | window / step |")
     print("|---|---|" + "---|" * (len(windows) + 1))
-    for fmt in a.formats.split(","):
+    for fmt in formats:
         for att in attention:
             ms = [statistics.median(samples[(fmt, att, t)]) * 1e3 for t in windows]
             ratio = f"{ms[-1] / ms[0]:.2f}x" if len(ms) > 1 else "-"
