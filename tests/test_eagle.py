@@ -17,6 +17,7 @@ from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.methods.eagle.proposer import EagleProposer
 from specjax.methods.eagle.record import LoadedEagle
 from train_heads import eagle as train
+from train_heads import sequences
 
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], list(range(1, 31)), [40, 41, 42, 43, 40, 41]]
 NEW = 32
@@ -36,13 +37,13 @@ def trained(tiny_model, tmp_path_factory):
     prompts = [rng.integers(1, 64, size=4).tolist() for _ in range(48)]
     seqs = [p + r.tokens for p, r in zip(prompts, eng.generate(prompts, max_new_tokens=28))]
     t = 32
-    data = train.Sequences.pad([(np.asarray(s[:t], np.int32), np.arange(min(len(s), t)) >= 4) for s in seqs], t)
+    data = sequences.Sequences.pad([(np.asarray(s[:t], np.int32), np.arange(min(len(s), t)) >= 4) for s in seqs], t)
     cfg = EagleConfig.for_model(tiny_model.config, draft_vocab=64)
-    ids = train.draft_vocabulary(data.tokens, data.mask, 64, 64)
+    ids = sequences.draft_vocabulary(data.tokens, data.mask, 64, 64)
     tc = train.EagleTrainConfig(steps=150, batch_size=8, seq_len=t, lr=1e-2, warmup=5, unroll=3,
                                 save_every=1000, eval_every=1000, log_every=50)
-    tr = train.EagleTrainer(cfg, tiny_model, train.Sequences(data.tokens[:40], data.mask[:40]),
-                            train.Sequences(data.tokens[40:], data.mask[40:]), ids, tmp_path_factory.mktemp("e"), tc)
+    tr = train.EagleTrainer(cfg, tiny_model, sequences.Sequences(data.tokens[:40], data.mask[:40]),
+                            sequences.Sequences(data.tokens[40:], data.mask[40:]), ids, tmp_path_factory.mktemp("e"), tc)
     metrics = tr.fit(progress=False)
     tr.ckpts.close()
     assert metrics["acc"][0] > 0.3, metrics

@@ -13,6 +13,7 @@ from flax import nnx
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from train_heads import eagle as train
+from train_heads import sequences
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +73,14 @@ def test_bad_configs(tiny_config):
         train.EagleTrainConfig(seq_len=2)
 
 
-def copy_task(n: int, t: int, seed: int) -> train.Sequences:
+def copy_task(n: int, t: int, seed: int) -> sequences.Sequences:
     """Sequences that repeat a random 4-token motif: learnable from the context."""
     rng = np.random.default_rng(seed)
     motifs = rng.integers(1, 64, size=(n, 4))
     toks = np.tile(motifs, (1, t // 4 + 1))[:, :t].astype(np.int32)
     mask = np.ones_like(toks, bool)
     mask[:, :4] = False
-    return train.Sequences(toks, mask)
+    return sequences.Sequences(toks, mask)
 
 
 def small_cfg(**kw):
@@ -90,7 +91,7 @@ def small_cfg(**kw):
 
 def test_training_learns_a_copy_task_and_resumes_exactly(tiny_model, config, tmp_path):
     data, held = copy_task(64, 16, 0), copy_task(8, 16, 1)
-    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    ids = sequences.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
     cfg = small_cfg(steps=100, lr=1e-2, save_every=25)
     full = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path / "a", cfg)
     before = full.evaluate()
@@ -127,7 +128,7 @@ def test_training_learns_a_copy_task_and_resumes_exactly(tiny_model, config, tmp
 def test_data_parallel_over_two_devices(tiny_model, config, tmp_path):
     assert len(jax.devices()) == 2  # conftest's fake CPU devices
     data, held = copy_task(16, 16, 0), copy_task(4, 16, 1)
-    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    ids = sequences.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
     tr = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path, small_cfg(steps=3))
     batch, _ = tr._batch(data, np.arange(4))
     assert len(batch["tokens"].sharding.device_set) == 2
@@ -139,7 +140,7 @@ def test_data_parallel_over_two_devices(tiny_model, config, tmp_path):
 def test_conversation_encoding_masks_assistant_text(smollm2):
     tok = smollm2.tokenizer
     msgs = [dict(role="user", content="Hi there"), dict(role="assistant", content="Hello! How can I help?")]
-    toks, mask = train.encode_conversation(tok, msgs, 256)
+    toks, mask = sequences.encode_conversation(tok, msgs, 256)
     full = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False))
     assert toks.tolist() == full  # the pieces tokenize as the whole
     learned = tok.decode(toks[mask].tolist())
@@ -154,7 +155,7 @@ def test_conversation_without_a_chat_template_is_plain_text(smollm2):
     tok = copy.copy(smollm2.tokenizer)
     tok.chat_template = None
     msgs = [dict(role="user", content="Hi there"), dict(role="assistant", content="Hello! How can I help?")]
-    toks, mask = train.encode_conversation(tok, msgs, 256)
+    toks, mask = sequences.encode_conversation(tok, msgs, 256)
     assert tok.decode(toks.tolist()) == tok.decode(tok.encode("Hi there\n\nHello! How can I help?\n\n"))
     assert tok.decode(toks[mask].tolist()) == "Hello! How can I help?\n\n"
 
@@ -189,7 +190,7 @@ def test_self_distilled_sequences_join_prompt_and_answer(monkeypatch, tiny_model
     monkeypatch.setattr(data, "load", lambda d: (rows, {}))
     monkeypatch.setattr(data, "select_prompts", lambda e, n, **k: [("a", [1, 2]), ("b", [3, 3, 3])][:n])
     eng = type("E", (), dict(name="tiny", weights_id="w"))()
-    items = train.self_distilled_sequences(eng, 2, 4)
+    items = sequences.self_distilled_sequences(eng, 2, 4)
     assert [t.tolist() for t, _ in items] == [[1, 2, 7, 8], [3, 3, 3, 4]]
     assert [m.tolist() for _, m in items] == [[False, False, True, True], [False, False, False, True]]
 
@@ -213,7 +214,7 @@ def test_cli_fused_features_default_their_layers_from_the_model(tmp_path, monkey
 
 def test_eagle_resume_into_another_runs_directory_and_a_nan_loss(tiny_model, tiny_config, config, tmp_path):
     data, held = copy_task(8, 16, 0), copy_task(4, 16, 1)
-    ids = train.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
+    ids = sequences.draft_vocabulary(data.tokens, data.mask, config.draft_vocab, 64)
     cfg = small_cfg(steps=6, save_every=2, log_every=1)
     run = train.EagleTrainer(config, tiny_model, data, held, ids, tmp_path, cfg)
     run.fit(stop_at=3, progress=False)

@@ -12,6 +12,7 @@ import pytest
 from specjax.models.eagle import EagleConfig
 from train_heads import cache as fc
 from train_heads import eagle as train
+from train_heads import sequences
 
 
 def corpus(n: int, seed: int, lo: int = 5, hi: int = 30):
@@ -117,7 +118,7 @@ def test_target_vocabulary_ranks_the_targets_own_argmax(tiny_model, tmp_path):
     # the ranking differs from the data tokens' (what the old draft_vocabulary counted)
     toks = np.concatenate([t for t, _ in items])
     mask = np.concatenate([m for _, m in items])
-    assert not np.array_equal(ids, train.draft_vocabulary(toks[None], mask[None], 8, 64))
+    assert not np.array_equal(ids, sequences.draft_vocabulary(toks[None], mask[None], 8, 64))
 
 
 def test_medusa_rows_from_the_cache(tiny_model, tmp_path):
@@ -151,8 +152,8 @@ def test_training_from_the_cache_equals_training_with_the_target_in_the_step(tin
                batch_size=4, multiple=8, progress=False, log=lambda m: None)
     cache = fc.FeatureCache(tmp_path / "cache")
     ids = fc.target_vocabulary(cache, range(4, 24), config.draft_vocab)
-    plain = train.EagleTrainer(config, tiny_model, train.Sequences.pad(items[4:], cfg.seq_len),
-                               train.Sequences.pad(items[:4], cfg.seq_len), ids, tmp_path / "plain", cfg)
+    plain = train.EagleTrainer(config, tiny_model, sequences.Sequences.pad(items[4:], cfg.seq_len),
+                               sequences.Sequences.pad(items[:4], cfg.seq_len), ids, tmp_path / "plain", cfg)
     cached = train.EagleTrainer(config, tiny_model, fc.CachedSequences(cache, np.arange(4, 24)),
                                 fc.CachedSequences(cache, np.arange(4)), ids, tmp_path / "cached", cfg)
     before = cached.evaluate()

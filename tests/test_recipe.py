@@ -14,6 +14,7 @@ from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.methods.eagle.record import LoadedEagle
 from train_heads import eagle as train
+from train_heads import sequences
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def test_step_weights_and_b2(config, tiny_model, tmp_path):
     assert [cfg.weight(j) for j in range(3)] == [1.0, 0.5, 0.25]
     assert train.EagleTrainConfig().b2 == 0.95
     # the optimiser uses b2: after one step Adam's nu / mu^2 = (1 - b2) / (1 - b1)^2 wherever g != 0
-    seqs = train.Sequences(np.tile(np.arange(1, 17, dtype=np.int32), (4, 1)), np.ones((4, 16), bool))
+    seqs = sequences.Sequences(np.tile(np.arange(1, 17, dtype=np.int32), (4, 1)), np.ones((4, 16), bool))
     tcfg = train.EagleTrainConfig(steps=3, batch_size=4, seq_len=16, warmup=1, unroll=1, b2=0.9)
     tr = train.EagleTrainer(config, tiny_model, seqs, seqs, np.arange(48), tmp_path, tcfg)
     tr.fit(stop_at=1, progress=False)

@@ -92,7 +92,7 @@ def pack(stage, *, model="smollm2-135m", conversations=3000, self_prompts=2000, 
 
     from specjax.serving.engine import Engine
     from specjax.models import catalog
-    from train_heads import data, eagle
+    from train_heads import data, sequences
 
     stage = pathlib.Path(stage)
     if stage.exists():
@@ -103,7 +103,7 @@ def pack(stage, *, model="smollm2-135m", conversations=3000, self_prompts=2000, 
     engine = Engine.load(model)
     path = catalog.resolve(model)
     t0 = time.perf_counter()
-    items = eagle.corpus(engine, "sharegpt", conversations, seq_len, log=log)
+    items = sequences.corpus(engine, "sharegpt", conversations, seq_len, log=log)
     prompts = data.select_prompts(engine, self_prompts, max_prompt_tokens=max_prompt_tokens) if self_prompts else []
     arrays = _flat(items)
     if prompts:

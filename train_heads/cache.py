@@ -85,6 +85,28 @@ def _atomic_json(path: pathlib.Path, obj) -> None:
     atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=1)))
 
 
+def _identity(model: nnx.Module, items, out: pathlib.Path, *, meta: dict | None, taps: tuple[int, ...], dtype: str,
+              shard_size: int) -> dict:
+    """What a cache in `out` is (`extract`'s arguments checked; `out` created): refused when `out` holds
+    the cache of another corpus or settings."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
+    if not items:
+        raise ValueError("no sequences to extract")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a directory for the cache")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    ident = dict(format=FORMAT, meta=meta or {}, dim=cfg.dim, vocab_size=cfg.vocab_size, taps=list(taps),
+                 dtype=dtype, shard_size=shard_size, sequences=len(items), corpus=corpus_hash(items))
+    old = json.loads((out / INDEX).read_text()) if (out / INDEX).is_file() else None
+    if old is not None and {k: old.get(k) for k in ident} != json.loads(json.dumps(ident)):
+        diff = {k: (old.get(k), v) for k, v in json.loads(json.dumps(ident)).items() if old.get(k) != v}
+        raise ValueError(f"{out} holds a cache of another corpus or settings ({diff} as (there, here)); "
+                         "use another directory")
+    return ident
+
+
 def extract(model: nnx.Module, items: Sequence[tuple[np.ndarray, np.ndarray]], out: str | os.PathLike, *,
             meta: dict | None = None, taps: Sequence[int] = (), dtype: str = "bfloat16", shard_size: int = 64,
             batch_size: int = 4, multiple: int = 64, max_shards: int | None = None, progress: bool = True,
@@ -103,25 +125,10 @@ def extract(model: nnx.Module, items: Sequence[tuple[np.ndarray, np.ndarray]], o
 
     Returns the index. Prints the throughput (positions per second of target forward).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
     if shard_size < 1 or batch_size < 1 or multiple < 1:
         raise ValueError("shard_size, batch_size and multiple must be >= 1")
-    if not items:
-        raise ValueError("no sequences to extract")
-    out = pathlib.Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file; give a directory for the cache")
-    out.mkdir(parents=True, exist_ok=True)
-    taps = tuple(int(i) for i in taps)
-    cfg = model.config
-    ident = dict(format=FORMAT, meta=meta or {}, dim=cfg.dim, vocab_size=cfg.vocab_size, taps=list(taps),
-                 dtype=dtype, shard_size=shard_size, sequences=len(items), corpus=corpus_hash(items))
-    old = json.loads((out / INDEX).read_text()) if (out / INDEX).is_file() else None
-    if old is not None and {k: old.get(k) for k in ident} != json.loads(json.dumps(ident)):
-        diff = {k: (old.get(k), v) for k, v in json.loads(json.dumps(ident)).items() if old.get(k) != v}
-        raise ValueError(f"{out} holds a cache of another corpus or settings ({diff} as (there, here)); "
-                         "use another directory")
+    out, taps = pathlib.Path(out), tuple(int(i) for i in taps)
+    ident = _identity(model, items, out, meta=meta, taps=taps, dtype=dtype, shard_size=shard_size)
     n_shards = -(-len(items) // shard_size)
     total = sum(len(t) for t, _ in items)
     done = [(out / _shard_name(s) / "shard.json").is_file() for s in range(n_shards)]

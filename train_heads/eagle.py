@@ -40,7 +40,7 @@ import json
 import math
 import pathlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +54,10 @@ from specjax.models import eagle as eagle_model
 from specjax.models import eagle_io
 from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.serving.engine import Engine
-from train_heads import cache as feature_cache, data as distilled
+from train_heads import cache as feature_cache
 from train_heads.cache import CachedSequences, EpochLoader
 from train_heads.checkpoint import ResumableRun, TrainCheckpoints, run_settings
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-         "bard": "assistant", "assistant": "assistant", "system": "system"}
+from train_heads.sequences import Sequences, corpus, draft_vocabulary
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,126 +121,6 @@ class EagleTrainConfig:
 
     def weight(self, j: int) -> float:
         return self.step_weights[j] if self.step_weights is not None else self.step_decay**j
-
-
-# ---- data ------------------------------------------------------------------------------------------
-
-
-def messages_of(conversation: dict) -> list[dict] | None:
-    """ShareGPT turns as chat messages; None when a turn has an unknown role or nothing is said."""
-    out = []
-    for turn in conversation["conversations"]:
-        role = ROLES.get(turn["from"])
-        if role is None:
-            return None
-        if turn["value"].strip():
-            out.append(dict(role=role, content=turn["value"]))
-    return out if any(m["role"] == "assistant" for m in out) else None
-
-
-def plain_render(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """A conversation as plain text for a model without a chat template: each message's content
-    and a blank line (nothing marks the roles, as in a base model's completion)."""
-    return "".join(m["content"] + "\n\n" for m in messages)
-
-
-def encode_conversation(tokenizer, messages: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, assistant mask) of a conversation under the chat template, cut to `seq_len`.
-
-    Each message is rendered as the template's text added by it (render of messages[:i+1] minus
-    the render of messages[:i]) and tokenized on its own; the mask marks the assistant messages. A
-    base model without a chat template (Gemma 3 270M) reads the conversation as plain text, each
-    message's content followed by a blank line: what it sees in completion mode.
-    """
-    render = tokenizer.apply_chat_template if tokenizer.chat_template else plain_render
-    tokens, mask, prev = [], [], ""
-    for i, m in enumerate(messages):
-        text = render(messages[: i + 1], add_generation_prompt=False)
-        head = render(messages[:i], add_generation_prompt=True) if m["role"] == "assistant" and i else prev
-        if not (text.startswith(head) and head.startswith(prev)):  # a template that rewrites the past
-            head = prev = ""
-            tokens, mask = [], []
-        for piece, learn in ((head[len(prev):], False), (text[len(head):], m["role"] == "assistant")):
-            if piece:
-                ids = tokenizer.encode(piece, add_bos=None if not tokens else False)
-                tokens += ids
-                mask += [learn] * len(ids)
-        prev = text
-        if len(tokens) >= seq_len:
-            break
-    return np.asarray(tokens[:seq_len], np.int32), np.asarray(mask[:seq_len], bool)
-
-
-def sharegpt_sequences(tokenizer, n: int, seq_len: int, *, path=None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The first `n` usable ShareGPT conversations (at least 8 assistant tokens), encoded."""
-    text = pathlib.Path(path or distilled.sharegpt_path()).read_text(encoding="utf-8")
-    count = 0
-    for conv in distilled.iter_conversations(text):
-        msgs = messages_of(conv)
-        if msgs is None:
-            continue
-        toks, mask = encode_conversation(tokenizer, msgs, seq_len)
-        if mask[2:].sum() < 8:
-            continue
-        yield toks, mask
-        count += 1
-        if count >= n:
-            return
-
-
-def self_distilled_sequences(engine, n: int, seq_len: int, *, max_new_tokens: int = 128,
-                             max_prompt_tokens: int = 256, batch_size: int = 16,
-                             log=print) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Prompt + the target's own greedy answer for the first `n` ShareGPT prompts (the Medusa
-    pipeline's cached self-distillation, `train_heads.data.build`), masked on the answer.
-
-    What the head drafts at inference is the target's own text, which is far more predictable than
-    ShareGPT's human-written answers; generating it costs ~20x teacher forcing here.
-    """
-    out = distilled.default_dir(engine.name, engine.weights_id, max_new_tokens=max_new_tokens,
-                           max_prompt_tokens=max_prompt_tokens)
-    distilled.build(engine, out, conversations=n, max_new_tokens=max_new_tokens, batch_size=batch_size,
-               max_prompt_tokens=max_prompt_tokens, log=log)
-    rows, index = distilled.load(out)
-    prompts = distilled.select_prompts(engine, n, max_prompt_tokens=max_prompt_tokens)
-    items = []
-    for c, (_, ids) in enumerate(prompts):
-        answer = rows.tokens[rows.starts[c]: rows.starts[c + 1]]
-        toks = np.concatenate([np.asarray(ids, np.int32), answer])[:seq_len]
-        items.append((toks, np.arange(len(toks)) >= len(ids)))
-    return items
-
-
-@dataclasses.dataclass(frozen=True)
-class Sequences:
-    """Padded token sequences `[N, T]` and their loss masks (assistant tokens)."""
-
-    tokens: np.ndarray
-    mask: np.ndarray
-
-    @classmethod
-    def pad(cls, items: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -> "Sequences":
-        toks = np.zeros((len(items), seq_len), np.int32)
-        mask = np.zeros((len(items), seq_len), bool)
-        for i, (t, m) in enumerate(items):  # longer sequences are cut
-            toks[i, : len(t)] = t[:seq_len]
-            mask[i, : len(m)] = m[:seq_len]
-        return cls(toks, mask)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.mask.sum())
-
-
-def draft_vocabulary(tokens: np.ndarray, mask: np.ndarray, size: int, vocab_size: int) -> np.ndarray:
-    """The `size` most frequent tokens among the masked (assistant) ones, most frequent first;
-    ties and unseen tokens by id."""
-    counts = np.bincount(tokens[mask].ravel(), minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts))
-    return order[:size].astype(np.int32)
 
 
 # ---- the jitted pieces ----------------------------------------------------------------------------
@@ -523,16 +401,6 @@ class EagleTrainer(ResumableRun):
         return summarize(sums)
 
 
-def corpus(engine, data: str, n: int, seq_len: int, *, log=print) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, train mask) of `n` sequences: complete ShareGPT conversations ("sharegpt") or ShareGPT
-    first turns with the target's own greedy answers ("self")."""
-    if data not in ("sharegpt", "self"):
-        raise ValueError(f"data={data!r}: use 'sharegpt' or 'self'")
-    if data == "self":
-        return self_distilled_sequences(engine, n, seq_len, log=log)
-    return list(sharegpt_sequences(engine.tokenizer, n, seq_len))
-
-
 def extract_cache(model: str, out: str | pathlib.Path, *, data: str = "sharegpt", conversations: int = 1024,
                   seq_len: int = 2048, features: str = "final", feature_layers: Sequence[int] = (),
                   dtype: str = "bfloat16", shard_size: int = 64, batch_size: int = 4, multiple: int = 256,
@@ -602,6 +470,25 @@ def _manifest(engine, trainer, train, held_out, cfg: EagleTrainConfig, metrics: 
         devices=len(trainer.devices), metrics=metrics)
 
 
+def _check_choices(vocab: str, data: str, cache) -> None:
+    if vocab not in ("target", "data"):
+        raise ValueError(f"vocab={vocab!r}: use 'target' or 'data'")
+    if vocab == "target" and cache is None:
+        raise ValueError("vocab='target' ranks by the target's argmax, which the feature cache holds: pass cache")
+    if data not in ("sharegpt", "self"):
+        raise ValueError(f"data={data!r}: use 'sharegpt' or 'self'")
+
+
+def _open_cache(cache: str | pathlib.Path, log) -> feature_cache.FeatureCache:
+    """The feature cache at `cache`; an incomplete one trains on its complete shards (they are whole
+    and in order)."""
+    fc = feature_cache.FeatureCache(cache, require_complete=False)
+    if not fc.index["complete"]:
+        log(f"the cache {cache} is incomplete: training on its {len(fc)} sequences in "
+            f"{len(fc.index['shards'])} complete shards (a run resumes only on the same number)")
+    return fc
+
+
 def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dict | None = None,
                 cfg: EagleTrainConfig = EagleTrainConfig(), conversations: int | None = None,
                 eval_conversations: int = 64, max_minutes: float | None = None, data: str = "sharegpt",
@@ -625,16 +512,8 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
         that train; needs `cache`, its default) or "data" (the training tokens; default without).
     """
     vocab = vocab or ("target" if cache is not None else "data")
-    if vocab not in ("target", "data"):
-        raise ValueError(f"vocab={vocab!r}: use 'target' or 'data'")
-    if vocab == "target" and cache is None:
-        raise ValueError("vocab='target' ranks by the target's argmax, which the feature cache holds: pass cache")
-    if data not in ("sharegpt", "self"):
-        raise ValueError(f"data={data!r}: use 'sharegpt' or 'self'")
-    fc = feature_cache.FeatureCache(cache, require_complete=False) if cache is not None else None
-    if fc is not None and not fc.index["complete"]:  # shards are whole and in order: the first ones are usable
-        log(f"the cache {cache} is incomplete: training on its {len(fc)} sequences in "
-            f"{len(fc.index['shards'])} complete shards (a run resumes only on the same number)")
+    _check_choices(vocab, data, cache)
+    fc = None if cache is None else _open_cache(cache, log)  # before the target loads: a bad cache fails first
     engine = Engine.load(model)
     if fc is not None and (fc.meta.get("model"), fc.meta.get("weights_id")) != (engine.name, engine.weights_id):
         raise ValueError(f"the cache {cache} was extracted from {fc.meta.get('model')} ({fc.meta.get('weights_id')}), "
@@ -661,10 +540,8 @@ def train_eagle(model: str, out: str | pathlib.Path, *, eagle: EagleConfig | dic
     trainer = EagleTrainer(eagle, engine.model, train, held_out, ids, out, cfg, run_info=run_info, init=start)
     if trainer.resume():
         log(f"resumed from step {trainer.step}")
-    if trainer.step < cfg.steps:
-        metrics = trainer.fit(max_seconds=None if max_minutes is None else 60 * max_minutes, progress=progress)
-    else:
-        metrics = trainer.evaluate()
+    metrics = (trainer.fit(max_seconds=None if max_minutes is None else 60 * max_minutes, progress=progress)
+               if trainer.step < cfg.steps else trainer.evaluate())
     trainer.ckpts.close()
     data_info = dict(source=source, cache=None if fc is None else str(cache), vocab=vocab)
     manifest = _manifest(engine, trainer, train, held_out, cfg, metrics, data_info, init)

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from specjax.bench import verify_profile
 from specjax.bench.offline import SYNTHETIC_PROMPT
 from specjax.bench.prompts import read_prompts
 from specjax.core import shared as shared_state
@@ -127,17 +128,18 @@ def node_rates(engine, prompts: list[str], template, *, max_new_tokens: int, log
 def step_costs(engine, templates: dict[int, tuple], *, steps: int = 48, repeats: int = 3) -> dict[int, float]:
     """Seconds per decode step of recycling with each template (window = nodes + 1; drafting and the
     matrix's update included), relative to a plain step, on this machine: the median of `repeats`
-    runs, taken in turns so that drift spreads over all of them."""
+    runs, taken in turns so that drift spreads over all of them (`verify_profile.alternating`)."""
     specs = {1: SpecConfig(), **{len(t) + 1: SpecConfig.make("recycle", tree=t, recycle_warm="cold")
                                  for t in templates.values()}}
     opts = GenerateOptions(max_new_tokens=steps, stop_ids=())
-    times: dict[int, list[float]] = {w: [] for w in specs}
-    for rep in range(repeats + 1):
-        for w, spec in specs.items():
-            batch = engine.start([SYNTHETIC_PROMPT], opts, chat=True, spec=spec)
-            res = batch.run()[0]
-            if rep:  # the first turn compiles and warms up
-                times[w].append(batch.decode_s / res.target_forwards)
+
+    def per_step(w: int) -> float:
+        batch = engine.start([SYNTHETIC_PROMPT], opts, chat=True, spec=specs[w])
+        return batch.decode_s / batch.run()[0].target_forwards
+
+    for w in specs:  # compiled and warm before any is timed
+        per_step(w)
+    times = verify_profile.alternating(specs, repeats, per_step)  # the bench's turns, order alternating
     plain = statistics.median(times[1])
     return {w: statistics.median(t) / plain for w, t in sorted(times.items())}
 

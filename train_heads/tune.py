@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.bench import offline
+from specjax.bench import offline, verify_profile
 from specjax.methods import tree_search
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine
@@ -64,16 +63,6 @@ def frequent_tokens(tokens: np.ndarray, size: int) -> np.ndarray:
     return ids[order][:size]
 
 
-def _median_ms(fn, *args, repeats: int = 15) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
 def step_costs(engine, windows=(1, 2, 3, 5, 9, 17, 33), *, vocab: np.ndarray | None = None) -> dict:
     """Cost of a verify step by window size, a plain step (window 1) being 1.
 
@@ -84,7 +73,10 @@ def step_costs(engine, windows=(1, 2, 3, 5, 9, 17, 33), *, vocab: np.ndarray | N
     prop, params = engine.proposer(SpecConfig(method="medusa", k=engine.asset("medusa").module.config.num_heads))
     hidden = jnp.zeros((1, engine.config.dim), jnp.float32)
     tokens = jnp.zeros((1,), jnp.int32)
-    heads_ms = _median_ms(jax.jit(prop.head_logits), params, hidden, tokens)
+    project = jax.jit(prop.head_logits)
+    jax.block_until_ready(project(params, hidden, tokens))  # compiled and warm before it is timed
+    samples = verify_profile.interleaved({"heads": (project, (params, hidden, tokens))}, 15)["heads"]
+    heads_ms = statistics.median(samples) * 1e3
     return {w: (fwd[w] + (heads_ms if w > 1 else 0.0)) / fwd[1] for w in windows}
 
 

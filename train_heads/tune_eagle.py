@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+from specjax.bench import verify_profile
 from specjax.methods.config import SpecConfig
 from specjax.serving.engine import Engine
 from train_heads import data
-from train_heads.eagle import messages_of
+from train_heads.sequences import messages_of
 
 TUNING = "tuning.json"
 VOCABS = (4096, 8192, 16384)
@@ -42,20 +43,17 @@ def held_out_prompts(head_manifest: dict, n: int) -> list[str]:
 
 
 def measure(engine, prompts: list[str], specs: dict, *, max_new_tokens: int, repeats: int = 1) -> dict:
-    """tok/s and tau of each spec on `prompts` (plain included as "none"), interleaved per prompt."""
+    """tok/s and tau of each spec on `prompts` (plain included as "none"), the specs alternating."""
     specs = {"none": SpecConfig(), **specs}
     for s in specs.values():  # compile outside the timing
         engine.generate(prompts[:1], chat=True, max_new_tokens=max_new_tokens, spec=s)
-    toks = {m: 0 for m in specs}
-    wall = {m: 0.0 for m in specs}
-    fwd = {m: 0 for m in specs}
-    for _ in range(repeats):
-        for p in prompts:
-            for m, s in specs.items():
-                r = engine.generate([p], chat=True, max_new_tokens=max_new_tokens, spec=s)[0]
-                toks[m] += r.new_tokens
-                wall[m] += r.wall_s
-                fwd[m] += r.target_forwards
+    # every spec over every prompt, in rounds that alternate the specs' order (the bench's timing)
+    runs = verify_profile.alternating(specs, repeats, lambda m: [
+        engine.generate([p], chat=True, max_new_tokens=max_new_tokens, spec=specs[m])[0] for p in prompts])
+    results = {m: [r for run in rs for r in run] for m, rs in runs.items()}
+    toks = {m: sum(r.new_tokens for r in rs) for m, rs in results.items()}
+    wall = {m: sum(r.wall_s for r in rs) for m, rs in results.items()}
+    fwd = {m: sum(r.target_forwards for r in rs) for m, rs in results.items()}
     base = toks["none"] / wall["none"]
     return {m: dict(tok_s=round(toks[m] / wall[m], 2), speedup=round(toks[m] / wall[m] / base, 3),
                     tau=round((toks[m] - len(prompts) * repeats) / max(fwd[m], 1), 3)) for m in specs}

@@ -13,7 +13,7 @@ from specjax.bench.prompts import read_prompts
 from specjax.models import eagle_io
 from specjax.serving.engine import Engine
 from train_heads import cache as feature_cache, coverage
-from train_heads.eagle import draft_vocabulary
+from train_heads.sequences import draft_vocabulary
 
 SIZES = (4096, 8192, 16384)
 

@@ -102,6 +102,61 @@ def check_max_new_tokens(value, *, most: int | None = None, why: str = "") -> in
     return int(value)
 
 
+def _check_prompts(prompts, bucket: int | None, batch_size) -> tuple[int, int, int]:
+    """`Inputs.create`'s prompts checked: (prompts n, rows b, bucket p)."""
+    if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
+                                                for p in prompts):
+        raise ValueError("Inputs.create takes token ids: pass a list of prompts, each a list of ints, "
+                         "e.g. [[1, 2, 3]] (tokenize text first, or use Engine.generate([\"text\"]))")
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt is empty: give at least one token")
+    if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size}: must be an integer >= 1 (or None: one row per prompt)")
+    b = n if batch_size is None else int(batch_size)
+    if b < n:
+        raise ValueError(f"{n} prompts for batch_size={b}: split them")
+    longest = max(len(x) for x in prompts)
+    p = longest if bucket is None else int(bucket)
+    if longest > p:
+        raise ValueError(f"a prompt of {longest} tokens exceeds the bucket of {p}")
+    return n, b, p
+
+
+def _check_rows(per_row: dict, seed, stops: tuple) -> None:
+    """`Inputs.create`'s per-row values, seeds and stop tokens checked."""
+    if len(stops) > MAX_STOP_IDS:
+        raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
+    for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
+        sampling.validate(t, k, tp)
+    for s in np.ravel(seed):
+        if int(s) != s or not 0 <= s < 2 ** 32:
+            raise ValueError(f"seed={s}: must be an integer in [0, 2**32)")
+    for t in per_row["tenant"]:
+        if int(t) != t or not 0 <= t < 2 ** 31:
+            raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
+    for c in per_row["constraint"]:
+        if isinstance(c, bool) or int(c) != c or c < 0:
+            raise ValueError(f"constraint={c}: must be a pool slot, an integer >= 0 (0: unconstrained)")
+    if any(per_row["constraint"]) and not stops:
+        raise ValueError("a constrained row needs a stop token (its EOS) to end an answer: pass stop_ids")
+    for m in per_row["max_new_tokens"]:
+        check_max_new_tokens(m)
+
+
+def _padded(rows, p: int) -> np.ndarray:
+    """Token-id rows right-padded with 0 to `p` columns; a negative id is refused."""
+    tokens = np.zeros((len(rows), p), np.int32)
+    for r, x in enumerate(rows):
+        tokens[r, : len(x)] = x
+    if (tokens < 0).any():
+        raise ValueError(f"prompt {int(np.argmax((tokens < 0).any(axis=1)))} has a negative token id: "
+                         "token ids lie in [0, vocab_size)")
+    return tokens
+
+
 def _per_row(value, n: int, name: str) -> list:
     values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
     if len(values) != n:
@@ -205,52 +260,15 @@ class Inputs:
           logit_bias_width: the padded entries per row Lb (a host's fixed width, so that every bias
             shares one program); default: the most any row gives. Given alone, no row is biased.
         """
-        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
-                                                    for p in prompts):
-            raise ValueError("Inputs.create takes token ids: pass a list of prompts, each a list of ints, "
-                             "e.g. [[1, 2, 3]] (tokenize text first, or use Engine.generate([\"text\"]))")
-        n = len(prompts)
-        if n == 0:
-            raise ValueError("no prompts given")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("a prompt is empty: give at least one token")
-        if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
-            raise ValueError(f"batch_size={batch_size}: must be an integer >= 1 (or None: one row per prompt)")
-        b = n if batch_size is None else int(batch_size)
-        if b < n:
-            raise ValueError(f"{n} prompts for batch_size={b}: split them")
-        p = max(len(x) for x in prompts) if bucket is None else int(bucket)
-        if max(len(x) for x in prompts) > p:
-            raise ValueError(f"a prompt of {max(len(x) for x in prompts)} tokens exceeds the bucket of {p}")
+        n, b, p = _check_prompts(prompts, bucket, batch_size)
         stops = tuple(stop_ids)
-        if len(stops) > MAX_STOP_IDS:
-            raise ValueError(f"{len(stops)} stop tokens: at most {MAX_STOP_IDS} are supported")
         per_row = {name: _per_row(v, n, name) for name, v in
                    dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, contribute=contribute, tenant=tenant, constraint=constraint).items()}
-        for t, k, tp in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
-            sampling.validate(t, k, tp)
-        for s in np.ravel(seed):
-            if int(s) != s or not 0 <= s < 2 ** 32:
-                raise ValueError(f"seed={s}: must be an integer in [0, 2**32)")
-        for t in per_row["tenant"]:
-            if int(t) != t or not 0 <= t < 2 ** 31:
-                raise ValueError(f"tenant={t}: must be an integer in [0, 2**31)")
-        for c in per_row["constraint"]:
-            if isinstance(c, bool) or int(c) != c or c < 0:
-                raise ValueError(f"constraint={c}: must be a pool slot, an integer >= 0 (0: unconstrained)")
-        if any(per_row["constraint"]) and not stops:
-            raise ValueError("a constrained row needs a stop token (its EOS) to end an answer: pass stop_ids")
-        for m in per_row["max_new_tokens"]:
-            check_max_new_tokens(m)
+        _check_rows(per_row, seed, stops)
         pad = b - n
-        rows = list(prompts) + [prompts[0]] * pad
-        tokens = np.zeros((b, p), np.int32)
-        for r, x in enumerate(rows):
-            tokens[r, : len(x)] = x
-        if (tokens < 0).any():
-            raise ValueError(f"prompt {int(np.argmax((tokens < 0).any(axis=1)))} has a negative token id: "
-                             "token ids lie in [0, vocab_size)")
+        rows = list(prompts) + [prompts[0]] * pad  # padding rows repeat prompt 0
+        tokens = _padded(rows, p)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         stop[:, : len(stops)] = stops
         fill = lambda name, pad_value: np.asarray(per_row[name] + [pad_value] * pad)

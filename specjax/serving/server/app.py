@@ -125,6 +125,24 @@ def longest_token_chars(tokenizer) -> int:
     return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
 
 
+def _check_sampling(body, *, greedy: bool) -> None:
+    """A request's sampling fields and timeout against their ranges and a greedy server (400 naming the field)."""
+    if body.temperature is not None:
+        if not body.temperature >= 0:
+            raise bad(f"temperature={body.temperature}: must be >= 0 (0 = greedy)", "temperature")
+        if body.temperature > 0 and greedy:
+            raise bad(f"temperature={body.temperature}: this server decodes greedily; start it with "
+                      "--temperature > 0 to compile the sampled programs", "temperature")
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise bad(f"top_p={body.top_p}: must lie in (0, 1]", "top_p")
+    if body.top_k is not None and not 0 <= body.top_k < 2 ** 31:
+        raise bad(f"top_k={body.top_k}: must lie in [0, 2**31) (0 = off)", "top_k")
+    if body.seed is not None and not 0 <= body.seed < 2 ** 32:
+        raise bad(f"seed={body.seed}: must lie in [0, 2**32)", "seed")
+    if body.timeout is not None and not body.timeout > 0:
+        raise bad(f"timeout={body.timeout}: must be > 0 seconds", "timeout")
+
+
 class Server:
     """An engine thread and the Starlette app over it.
 
@@ -316,20 +334,7 @@ class Server:
         if not 1 <= m <= opts.max_new_tokens:
             raise bad(f"max_tokens={max_tokens}: must be an integer in [1, {opts.max_new_tokens}] "
                       "(the server's --max-tokens sizes its cache)", "max_tokens")
-        if body.temperature is not None:
-            if not body.temperature >= 0:
-                raise bad(f"temperature={body.temperature}: must be >= 0 (0 = greedy)", "temperature")
-            if body.temperature > 0 and opts.sampling.greedy:
-                raise bad(f"temperature={body.temperature}: this server decodes greedily; start it with "
-                          "--temperature > 0 to compile the sampled programs", "temperature")
-        if body.top_p is not None and not 0 < body.top_p <= 1:
-            raise bad(f"top_p={body.top_p}: must lie in (0, 1]", "top_p")
-        if body.top_k is not None and not 0 <= body.top_k < 2 ** 31:
-            raise bad(f"top_k={body.top_k}: must lie in [0, 2**31) (0 = off)", "top_k")
-        if body.seed is not None and not 0 <= body.seed < 2 ** 32:
-            raise bad(f"seed={body.seed}: must lie in [0, 2**32)", "seed")
-        if body.timeout is not None and not body.timeout > 0:
-            raise bad(f"timeout={body.timeout}: must be > 0 seconds", "timeout")
+        _check_sampling(body, greedy=opts.sampling.greedy)
         stop_ids = list(body.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_ids):
             raise bad(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
