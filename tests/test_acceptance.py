@@ -233,3 +233,21 @@ def test_the_decoder_refuses_a_rule_for_the_wrong_shape_or_a_non_rule():
                 cache_length=32)
     with pytest.raises(TypeError, match="not an acceptance rule"):
         Decoder(proposer=chain, acceptance="speculative", cache_length=32)
+
+
+def test_argmax_is_jnp_argmax_bit_for_bit():
+    """`sampling.argmax` (two vectorised reductions) equals `jnp.argmax` on ties, NaN, -inf and masked
+    rows, over any leading dims; and it is what greedy decoding and verification take."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 4, 97)).astype(np.float32)
+    x[0, 0, [5, 40]] = 9.0  # a tie: the first index
+    x[0, 1, 17] = np.nan  # a NaN: jnp.argmax returns its index
+    x[0, 2, [3, 60]] = np.nan
+    x[1, 0, :] = -np.inf  # a fully masked row: 0
+    x[1, 1, :] = 1.0  # all equal: 0
+    x[1, 2, :-1] = -np.inf  # one survivor: the last index
+    got = np.asarray(sampling.argmax(jnp.asarray(x)))
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32 and got[0, 0] == 5 and got[0, 1] == 17 and got[0, 2] == 3 and got[1, 2] == 96
+    np.testing.assert_array_equal(np.asarray(Greedy().draw(None, jnp.asarray(x[0]))), want[0])

@@ -90,7 +90,7 @@ def _count_prefix(ok: Array) -> Int[Array, "B"]:
 
 def greedy(draft: Int[Array, "B K"], logits: Float[Array, "B K+1 V"]):
     """Chain exact match: drafts kept while they equal the target's argmax; returns (n, next)."""
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    target = sampling.argmax(logits)  # [B, K+1]
     n = _count_prefix(draft == target[:, :-1])
     return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
 
@@ -177,7 +177,7 @@ class Greedy(_AnyShape):
     lossless: ClassVar[bool] = True
 
     def accept(self, w: Window) -> Accepted:
-        x = jnp.argmax(w.logits, axis=-1).astype(jnp.int32)
+        x = sampling.argmax(w.logits)
         return walk(w.nodes == tree.at_parents(x, w.topo), x, w.topo)
 
 

@@ -42,6 +42,17 @@ class Sampling(abc.ABC):
         return jax.vmap(lambda k, lg: self.draw(k, lg, params), in_axes=(1, 1), out_axes=1)(slot_keys, logits)
 
 
+def argmax(logits: Float[Array, "... V"]) -> Int[Array, "..."]:
+    """`jnp.argmax(logits, -1)` as int32, bit for bit (the first index of the maximum; of the first NaN
+    in a row that has one), as two vectorised reductions: XLA:CPU runs argmax's index-carrying
+    reduction element by element, 2-4x slower over a 49,152-token vocabulary (0.25 against 0.11 ms a
+    row here; 1.9 against 0.44 ms at 16 rows), and a step takes one per row and window slot."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Greedy(Sampling):
     """Argmax: every row decodes greedily, whatever its temperature."""
@@ -50,10 +61,10 @@ class Greedy(Sampling):
     name: ClassVar[str] = "greedy"
 
     def draw(self, keys, logits, params=None):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
 
     def draws(self, keys, logits, params=None):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +76,7 @@ class Sample(Sampling):
 
     def draw(self, keys, logits, params):
         drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params)).astype(jnp.int32)
-        return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return jnp.where(params.temperature > 0, drawn, argmax(logits))
 
 
 METHODS: dict[str, type[Sampling]] = {m.name: m for m in (Greedy, Sample)}
@@ -186,6 +197,6 @@ def probs(logits: Float[Array, "B *T V"], params: SamplingParams) -> Float[Array
     """The distribution a row samples from: filtered softmax, or one-hot argmax at temperature 0."""
     filt = filtered_logits(logits, params)
     soft = jax.nn.softmax(filt, axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
+    hard = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=soft.dtype)
     greedy = _expand(params.temperature, logits.ndim) <= 0
     return jnp.where(greedy, hard, soft)

@@ -48,7 +48,7 @@ class DraftModelProposer(Chain):
 
     def _draw(self, sampling_config: Sampling, keys, logits, state: DecodeState, j: int | jax.Array):
         if sampling_config.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return sampling.argmax(logits), None
         q = sampling.probs(logits, state.sampling)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)
         tok = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
