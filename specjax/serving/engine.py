@@ -42,6 +42,9 @@ class Engine:
     their logical axes and every program runs sharded (batch rows over `data`, tensor parallel over `model`);
     results are read back through one replicated view, so every process sees every row.
 
+    Its text side, `encode`, `encode_predictions`, `check`, `bucket_for`, `stop_ids`, `logit_biases` and
+    `constraint_for`, are the methods of `self.prompts` (`specjax.serving.prompts.Prompts`).
+
     Example:
       >>> eng = Engine.load("smollm2-135m")
       >>> eng.generate(["What is JAX?"], chat=True, max_new_tokens=32)[0].text

@@ -9,9 +9,9 @@ continue exactly as if alone, since a row's tokens depend only on its own prompt
 The scheduler decides none of this itself. `OptionSet` (`specjax.serving.options`) resolves the
 options and builds the batch in flight (a `specjax.core.slots.BatchEngine`, every program compiled
 in `prepare`, through `Engine.program`); `Intake` (`specjax.serving.intake`) checks each request at
-`submit`; the `Controller` picks each chunk's option (`controller.plan`); host-side replays are the
-methods' observers (`specjax.serving.replays`). The scheduler keeps the queue, the slots, timing and
-packing. Every option shares the `DecodeState`; each speculative option keeps its own proposer state,
+`submit`; `Steering` (`specjax.serving.steering`) picks each chunk's option: a fixed spec, or auto's
+`Controller` fed by the chunks and by the methods' host replays (`specjax.serving.replays`). The
+scheduler keeps the queue, the slots, timing and packing. Every option shares the `DecodeState`; each speculative option keeps its own proposer state,
 stale (never wrong) after another option's chunks. A constrained request takes a slot of the batch's
 constraint pool (`constraint_pool=`) for as long as it runs.
 
