@@ -576,7 +576,7 @@ struct XQ {  // x [M, K] quantized per 32: q int8 [M, K]; per block d, d * s, an
 #define SPECJAX_Q8_512 0
 #endif
 
-#if SPECJAX_Q8_512 && defined(__AVX2__) && !defined(SPECJAX_Q8_NO_X16)
+#if SPECJAX_Q8_512 && defined(__AVX2__) && defined(__AVX512VL__) && !defined(SPECJAX_Q8_NO_X16)  // VL: q8_offset(Q8_0)
 #define SPECJAX_Q8_X16 1
 #else
 #define SPECJAX_Q8_X16 0
