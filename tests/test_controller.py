@@ -218,7 +218,7 @@ def test_the_chunk_policy_and_its_reasons():
     assert plan([row("a"), row("b", opt_out=True)], controller=c).reason == Reason.OPT_OUT
     assert c.choose([]).reason == Reason.IDLE
     assert {str(x) for x in Reason} == {"gain", "no_gain", "probe", "opt_out", "idle", "requested",
-                                        "requests_differ", "fixed", "explore"}
+                                        "requests_differ", "fixed", "explore", "bare"}
 
 
 def test_costs_follow_the_chunks_that_run_and_plain_is_measured_beside_them():

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from specjax import telemetry
+from specjax.core import slots as slot_ops
 from specjax.methods.config import SpecConfig
 from specjax.serving.controller import PLAIN, ControllerConfig, CostModel
 from specjax.serving.engine import Engine, GenerateOptions
@@ -185,13 +186,33 @@ def test_prompt_lookup_is_replayed_over_plain_chunks(eng, alone, replay, monkeyp
     s = serve(eng, "auto", controller=cfg)
     out = s.run()
     assert {c.option for c in s.chunk_log} == {"none"}
-    assert {c.reason for c in s.chunk_log} == {"no_gain"} and all(c.expected_gain < 1.03 for c in s.chunk_log)
+    # the first row alone is inserted whole (no_gain); the rest bare, as nothing pays (bare)
+    assert {c.reason for c in s.chunk_log} <= {"no_gain", "bare"} and all(c.expected_gain < 1.03 for c in s.chunk_log)
     assert [r.tokens for r in out] == alone
     a = s.controller.tasks.get(("a", "ngram"))
     if replay:
         assert a.tried[0] > 0 and a.kept[0] > 0 and a.tried[1] == a.kept[0]
     else:
         assert a is None
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_auto_inserts_bare_where_speculation_does_not_pay(eng, alone, pays, monkeypatch):
+    """Auto's plain runs bare (no method upkeep), and a request that joins a batch where no option is
+    expected to pay is inserted bare: its prefill alone, plain chunks (reason "bare") until it leaves.
+    A request alone is always inserted whole; with a cheap option that pays, none is bare. The
+    tokens are the plain loop's either way."""
+    fixed_costs(monkeypatch, {PLAIN: 1.0, SpecConfig(method="ngram", k=2): 1.0 if pays else 3.0})
+    s = serve(eng, "auto", controller=ControllerConfig(ks=(0, 2), probe_every=10**6, explore_every=0))
+    s.prepare()
+    assert s.built.keys[PLAIN] == slot_ops.BARE
+    inserted = []
+    monkeypatch.setattr(s.batch, "insert", lambda slot, inputs, *, bare=False, insert=s.batch.insert:
+                        inserted.append(bare) or insert(slot, inputs, bare=bare))
+    out = s.run()
+    assert [r.tokens for r in out] == alone and not s.steering.bare_rows
+    assert inserted[0] is False and any(inserted) is not pays
+    assert ("bare" in {c.reason for c in s.chunk_log}) is not pays
 
 
 def test_opted_out_request_never_speculates(eng, alone):

@@ -179,3 +179,41 @@ def test_running_batch_rows_equal_each_request_alone_and_nothing_compiles_after_
     for r in (7, 9, 10):
         assert got[r] == alone[r], r
     assert got[8] == alone[8][: len(got[8])] and len(got[8]) < len(alone[8])
+
+
+def test_bare_insert_and_loop_leave_method_state_alone_and_decode_as_the_plain_loop(tiny_model):
+    """`insert(bare=True)` and the `BARE` loop (auto's plain while speculation does not pay): the
+    row's decode state is the full insert's, the proposer states and the batch-shared n-gram table
+    are untouched by the prompt and by the chunk, and the tokens are the plain loop's; the plain loop
+    with upkeep (None) feeds the table from the same state."""
+    from specjax.core.ngram_table import TableConfig
+    from specjax.core.slots import BARE, RunningBatch
+    from specjax.serving.engine import Engine
+
+    table = TableConfig(size=256)
+    ops = Slots(base=Decoder(cache_length=S, shared=(table,)),
+                decoders=(Decoder(cache_length=S, proposer=NgramProposer(k=3), shared=(table,)),))
+    assert ops.bare.shared == () and ops.bare.cache_length == S
+    eng = Engine(tiny_model)
+    rb = RunningBatch(ops, params=eng.params, pparams=(None,), compile=eng.program,
+                      empty=Inputs.create([[0]] * 2, bucket=1, max_new_tokens=1), loops=(None, BARE, 0))
+    req = _rows([[5, 6, 7, 5, 6, 7]], row_ids=[3])
+    full = rb.fork(Inputs.create([[0]] * 2, bucket=1, max_new_tokens=1))
+    full.insert(1, req)
+    rb.insert(0, _rows([[9, 8, 9, 8]], row_ids=[1]))  # a full insert: the table sees its prompt
+    parts, pstates = jax.tree.map(jnp.array, (rb.state.shared.parts, rb.pstates))  # copies: the batch is donated
+    rb.insert(1, req, bare=True)
+    assert _leaves_equal(rb.state.shared.parts, parts) and _leaves_equal(rb.pstates, pstates)
+    a, b = _host(rb.state, lambda x: x[1] if x.ndim else x), _host(full.state, lambda x: x[1] if x.ndim else x)
+    for name in ("tokens", "lengths", "keys", "k0"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    rb.release(0)
+    chunk = rb.run(BARE, 4)
+    assert _leaves_equal(rb.state.shared.parts, parts) and _leaves_equal(rb.pstates, pstates)
+    full.run(None, 4)
+    assert not _leaves_equal(full.state.shared.parts, parts)  # the plain loop with upkeep feeds it
+    assert chunk.new_tokens(1) == np.asarray(full.state.tokens)[1, 7:11].tolist()  # after the prompt (6) and the first token
+    with pytest.raises(ValueError, match="bare loop"):
+        full_free = RunningBatch(ops, params=eng.params, pparams=(None,), compile=eng.program,
+                                 empty=Inputs.create([[0]] * 2, bucket=1, max_new_tokens=1), loops=(None,))
+        full_free.insert(0, req, bare=True)

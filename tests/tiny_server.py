@@ -53,10 +53,10 @@ class HookedBatch(RunningBatch):
     before_insert = None
     before_run = None
 
-    def insert(self, slot, inputs):
+    def insert(self, slot, inputs, *, bare=False):
         if self.before_insert is not None:
             self.before_insert(inputs)
-        return super().insert(slot, inputs)
+        return super().insert(slot, inputs, bare=bare)
 
     def run(self, o, steps, *, size=None):
         if self.before_run is not None:

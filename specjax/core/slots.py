@@ -96,6 +96,13 @@ class Slots:
         """The mesh every option's decoder runs on (None: one device)."""
         return self.base.mesh
 
+    @property
+    def bare(self) -> Decoder:
+        """The plain decoder without the methods' upkeep: the batch-shared method state is carried
+        but sees none of its commits (a constraint pool still masks). What a host runs while
+        speculation does not pay: a plain step that costs what the plain loop alone costs."""
+        return dataclasses.replace(self.base, shared=())
+
     def prefill(self, model: Transformer, pparams: tuple, inputs: Inputs,
                 parts: dict | None = None) -> tuple[DecodeState, tuple]:
         """Prefills the rows once for every option: the shared decode state, and each option's
@@ -118,6 +125,14 @@ class Slots:
         state = insert_row(state, row, slot)
         state = state.replace(shared=state.shared.replace(parts=row.shared.parts))
         return self._pinned((state, tuple(insert_row(ps, n, slot) for ps, n in zip(pstates, new))))
+
+    def insert_bare(self, model: Transformer, state: DecodeState, slot: Int[Array, ""],
+                    inputs: Inputs) -> DecodeState:
+        """`insert` by the bare decoder (`bare`): the target's prefill alone. The batch-shared state
+        does not see the prompt and no proposer state is built: row `slot` keeps its previous
+        proposer states, stale, so a host runs only `bare` or plain chunks while the row runs."""
+        row, _ = self.bare.prefill_target(model, inputs, state.shared.parts, window=self.window)
+        return self._pinned(insert_row(state, row, slot))
 
     def upload(self, state: DecodeState, slot: Int[Array, ""], one: Pool) -> DecodeState:
         """Puts the packed constraint `one` (`PoolSpec.pack`) into pool slot `slot` of the batch's
@@ -172,6 +187,11 @@ def prefill_program(graphdef, params, pparams, inputs: Inputs, *, slots: Slots):
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots"), donate_argnames=("state", "pstates"))
 def insert_program(graphdef, params, pparams, state, pstates, slot, inputs: Inputs, *, slots: Slots):
     return slots.insert(nnx.merge(graphdef, params), pparams, state, pstates, slot, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots"), donate_argnames=("state",))
+def insert_bare_program(graphdef, params, state, slot, inputs: Inputs, *, slots: Slots):
+    return slots.insert_bare(nnx.merge(graphdef, params), state, slot, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("slots",), donate_argnames=("state",))
@@ -231,11 +251,16 @@ class Chunk:
         return SpecCounters.from_stats(self.view.stats, row)
 
 
+BARE = "bare"
+"""A running batch's name for the bare plain loop (`Slots.bare`: no method upkeep), beside None (the
+plain loop that feeds the batch-shared state) and each speculative option's index."""
+
+
 class BatchEngine(Protocol):
     """What a continuous-batching host drives (`specjax.serving.scheduler.Scheduler`): a batch in flight
     and its operations, every program compiled before the first request. `RunningBatch` is the one
     this library builds (`specjax.serving.options.OptionSet.build`); a test may give its own.
-    Options are the batch's names for them (None: plain)."""
+    Options are the batch's names for them (None: plain; `BARE`: plain without upkeep)."""
 
     state: DecodeState
     pstates: tuple
@@ -246,7 +271,7 @@ class BatchEngine(Protocol):
 
     def warm_inserts(self) -> None: ...
 
-    def insert(self, slot: int, inputs: Inputs) -> HostView: ...  # a batch of one into row `slot`
+    def insert(self, slot: int, inputs: Inputs, *, bare: bool = False) -> HostView: ...  # into row `slot`
 
     def upload(self, pool_slot: int, tables) -> None: ...  # a constraint's tables into the pool
 
@@ -254,7 +279,7 @@ class BatchEngine(Protocol):
 
     def move(self, src: int, dst: int) -> None: ...
 
-    def run(self, o: int | None, steps: int, *, size: int | None = None) -> Chunk: ...
+    def run(self, o: int | str | None, steps: int, *, size: int | None = None) -> Chunk: ...
 
     def fork(self, inputs: Inputs) -> "BatchEngine": ...  # the same programs on other rows
 
@@ -272,7 +297,9 @@ class RunningBatch:
     operation donates the state and reads the host view back in one transfer, so a host needs no
     other read and runs on a mesh as on one device. Not thread-safe (donation): one thread steps it.
 
-    Options are indices into `slots.decoders`, and None for the plain loop (the base decoder).
+    Options are indices into `slots.decoders`, None for the plain loop (the base decoder) and `BARE`
+    for the plain loop without upkeep (`Slots.bare`). With `BARE` among the loops every prompt bucket
+    also compiles a bare insert (`insert(bare=True)`): the target's prefill alone.
 
     Args:
       slots: the static slot operations.
@@ -280,12 +307,12 @@ class RunningBatch:
       pparams: each speculative option's proposer params, on the mesh, in `slots.decoders`' order.
       compile: the compiler (`Engine.program`).
       empty: B placeholder rows, done at once (`max_new_tokens=1`): the empty batch; fixes B.
-      loops: the options whose loops compile (None: plain).
+      loops: the options whose loops compile (None: plain; `BARE`: plain without upkeep).
       sizes: the batch sizes a chunk may run at (the first rows only: `take` / `put`); B always.
     """
 
     def __init__(self, slots: Slots, *, params, pparams: tuple, compile: Compiler, empty: Inputs,
-                 loops: tuple[int | None, ...], sizes: tuple[int, ...] = ()):
+                 loops: tuple[int | str | None, ...], sizes: tuple[int, ...] = ()):
         self.slots, self.params, self.pparams, self._compiler = slots, params, tuple(pparams), compile
         self.b = int(empty.prompts.shape[0])
         self.sizes = tuple(sorted(set(sizes) | {self.b}))
@@ -303,6 +330,7 @@ class RunningBatch:
         self._move = (self._compile(move_program, self.state, self.pstates, np.int32(0), np.int32(0),
                                     weights=False, slots=slots) if len(self.sizes) > 1 else None)
         self._inserts: dict[int, tuple[Any, Inputs]] = {}
+        self._bare_inserts: dict[int, Any] = {}
         self._takes, self._puts, self._loops = {}, {}, {}
         stop_at = sharding.abstract_carry(jax.ShapeDtypeStruct((), jnp.int32), self.mesh)
         for size in self.sizes:
@@ -328,16 +356,16 @@ class RunningBatch:
     def mesh(self):
         return self.slots.mesh
 
-    def decoder(self, o: int | None) -> Decoder:
-        return self.slots.base if o is None else self.slots.decoders[o]
+    def decoder(self, o: int | str | None) -> Decoder:
+        return self.slots.base if o is None else self.slots.bare if o == BARE else self.slots.decoders[o]
 
-    def pp(self, o: int | None):
+    def pp(self, o: int | str | None):
         """Option `o`'s proposer params (None for plain)."""
-        return None if o is None else self.pparams[o]
+        return self.pparams[o] if isinstance(o, int) else None
 
-    def pstate(self, o: int | None):
+    def pstate(self, o: int | str | None):
         """Option `o`'s proposer state (None for plain)."""
-        return None if o is None else self.pstates[o]
+        return self.pstates[o] if isinstance(o, int) else None
 
     def place(self, tree):
         """Host rows (inputs, counters) on the mesh by the carry's layout: split over `data` where the
@@ -346,7 +374,7 @@ class RunningBatch:
             return tree
         return jax.tree.map(sharding.put, tree, sharding.carry_shardings(tree, self.mesh))
 
-    def _zero_stats(self, o: int | None, size: int) -> Stats:
+    def _zero_stats(self, o: int | str | None, size: int) -> Stats:
         return self.place(Stats.zeros(size, self.decoder(o).depth, self.decoder(o).nodes))
 
     def _compile(self, fn, *args, static=None, **statics):
@@ -377,33 +405,47 @@ class RunningBatch:
 
     def compile_insert(self, inputs: Inputs):
         """Compiles the insert of a request at the prompt bucket of `inputs` (a batch of one, kept to
-        warm the program with: `warm_inserts`); returns the program."""
+        warm the program with: `warm_inserts`), and its bare insert with `BARE` among the loops;
+        returns the program."""
         bucket = int(inputs.prompts.shape[1])
         if bucket not in self._inserts:
             inputs = self.place(inputs)
             prog = self._compile(insert_program, self.pparams, self.state, self.pstates, np.int32(0), inputs,
                                  slots=self.slots)
             self._inserts[bucket] = (prog, inputs)
+            if BARE in self.loops:
+                self._bare_inserts[bucket] = self._compile(insert_bare_program, self.state, np.int32(0), inputs,
+                                                           slots=self.slots)
         return self._inserts[bucket][0]
 
     @property
     def insert_buckets(self) -> list[int]:
         return sorted(self._inserts)
 
-    def insert(self, slot: int, inputs: Inputs) -> HostView:
+    def insert(self, slot: int, inputs: Inputs, *, bare: bool = False) -> HostView:
         """Prefills a request (a batch of one) into row `slot`; returns the view (its first token is
-        `tokens[slot, lengths[slot] - 1]`). Compiles the bucket's insert if `compile_insert` did not."""
+        `tokens[slot, lengths[slot] - 1]`). Compiles the bucket's insert if `compile_insert` did not.
+        `bare`: the bare insert (`Slots.insert_bare`; needs `BARE` among the loops): the row then
+        runs only plain and `BARE` chunks until it is done."""
         prog = self.compile_insert(inputs)
-        self.state, self.pstates = prog(self.params, self.pparams, self.state, self.pstates, np.int32(slot),
-                                        self.place(inputs))
+        if bare:
+            if BARE not in self.loops:
+                raise ValueError("a bare insert needs the bare loop: build the batch with BARE among its loops")
+            bucket = int(inputs.prompts.shape[1])
+            self.state = self._bare_inserts[bucket](self.params, self.state, np.int32(slot), self.place(inputs))
+        else:
+            self.state, self.pstates = prog(self.params, self.pparams, self.state, self.pstates, np.int32(slot),
+                                            self.place(inputs))
         return self.read()
 
     def warm_inserts(self) -> None:
-        """Runs each compiled insert once into row 0 with the placeholder it was compiled on (done at
-        once with max_new_tokens 1, contributing nothing to shared method state): first-run costs
-        (allocation, caches) stay out of the first requests. Call it on an empty batch."""
+        """Runs each compiled insert (and bare insert) once into row 0 with the placeholder it was
+        compiled on (done at once with max_new_tokens 1, contributing nothing to shared method state):
+        first-run costs (allocation, caches) stay out of the first requests. Call it on an empty batch."""
         for bucket in self.insert_buckets:
             self.insert(0, self._inserts[bucket][1])
+            if bucket in self._bare_inserts:
+                self.insert(0, self._inserts[bucket][1], bare=True)
         jax.block_until_ready(self.state)
 
     @staticmethod
@@ -436,7 +478,7 @@ class RunningBatch:
         self.state, self.pstates = self._move(self.state, self.pstates, np.int32(src), np.int32(dst))
         self.lengths[dst] = self.lengths[src]
 
-    def run(self, o: int | None, steps: int, *, size: int | None = None) -> Chunk:
+    def run(self, o: int | str | None, steps: int, *, size: int | None = None) -> Chunk:
         """Runs option `o` on the first `size` rows (default: all) until the batch's step counter has
         gone `steps` further or every row is done; returns what the host reads of it."""
         size = size or self.b
@@ -450,7 +492,7 @@ class RunningBatch:
             self.state, ps = self._puts[o, size](self.state, self.pstate(o), s.decode, s.proposer)
         else:
             self.state, ps = s.decode, s.proposer
-        if o is not None:
+        if isinstance(o, int):
             self.pstates = self.pstates[:o] + (ps,) + self.pstates[o + 1:]
         view = self.read(s.stats, key=(o, size))
         return Chunk(view=view, before=before, steps=int(view.forwards) - start)

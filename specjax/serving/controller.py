@@ -278,6 +278,7 @@ class Reason(enum.StrEnum):
     REQUESTED = "requested"  # the running requests name this option
     REQUESTS_DIFFER = "requests_differ"  # they name different ones: plain
     FIXED = "fixed"  # the host runs one option
+    BARE = "bare"  # a running request was inserted bare (auto judged speculation would not pay): plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +419,16 @@ class Controller:
             return PLAIN, 1.0
         option = max(gains, key=gains.get)
         return option, gains[option]
+
+    def pays(self, rows: Sequence[Hashable], *, task: str | None = None) -> bool:
+        """Whether the best option is expected to beat plain by the margin (not optimistic) for `rows`
+        and one more row of task `task`, not yet added, at the current cost model's batch size."""
+        new = object()
+        self.add_row(new, task=task)
+        try:
+            return self.best([*rows, new])[1] >= 1.0 + self.config.margin
+        finally:
+            self.remove_row(new)
 
     def choose_row(self, row: Hashable) -> SpecConfig:
         """The option this row alone would run (plain for an opted-out row)."""

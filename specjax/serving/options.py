@@ -21,7 +21,7 @@ from specjax.core import shared as shared_state
 from specjax.core.decoder import Decoder, Inputs, cache_length
 from specjax.core.ngram_table import TableConfig
 from specjax.core.sampling import Sampling
-from specjax.core.slots import BatchEngine, RunningBatch, Slots
+from specjax.core.slots import BARE, BatchEngine, RunningBatch, Slots
 from specjax.methods import registry
 from specjax.methods.config import SpecConfig
 from specjax.methods.predict.options import prediction_cap
@@ -33,10 +33,10 @@ from specjax.serving.controller import PLAIN, ControllerConfig, CostModel
 @dataclasses.dataclass(frozen=True)
 class Built:
     """The options built for one cache length: a `Decoder` per option (plain included), each option's
-    name in the batch (None: plain), and the batch in flight."""
+    name in the batch (None: plain; `BARE`: auto's plain, without upkeep), and the batch in flight."""
 
     decoders: dict[SpecConfig, Decoder]
-    keys: dict[SpecConfig, int | None]
+    keys: dict[SpecConfig, int | str | None]
     cache_length: int
     batch: BatchEngine
 
@@ -101,8 +101,8 @@ class OptionSet:
             request updates and prompt lookup consults (`specjax.core.ngram_table`). Every option runs
             as its record serves it (`registry.serving`: prompt lookup turns its table on); the
             options' batch-shared state (`Proposer.shared`: the n-gram table, token recycling's
-            matrix) lives in the batch state, so every option's chunks (plain included) feed it, and
-            slot refills keep it. None: each method's serving default; 0: no n-gram table.
+            matrix) lives in the batch state: every option's chunks feed it (plain too, but for
+            auto's: `build`), and slot refills keep it. None: each method's serving default; 0: no n-gram table.
           with_plain: with a fixed speculative `spec`, also compile the plain loop, so that a request
             may opt out of speculation (auto always has it).
           constraint_pool: the largest constraint a request may bring (`ConstraintLimits`: automaton
@@ -137,16 +137,20 @@ class OptionSet:
               empty: Inputs, sizes: tuple[int, ...], batch: Callable[..., BatchEngine] = RunningBatch) -> Built:
         """Every option's `Decoder` at one cache length (the longest any option needs for prompts up to
         `bucket` and `max_new_tokens`), and the batch that compiles and runs them (`batch`: its class,
-        `RunningBatch`; `empty`: its placeholder rows; `sizes`: the batch sizes a chunk may run at)."""
+        `RunningBatch`; `empty`: its placeholder rows; `sizes`: the batch sizes a chunk may run at).
+
+        Auto's plain option runs bare (`Slots.bare`): when auto judges that speculation does not pay,
+        a plain chunk costs what the plain loop alone costs, and the batch-shared state learns from
+        speculative chunks and prompts only. A fixed spec's plain loop (opted-out requests) feeds it."""
         built = {o: engine.build_decoder(s, sampling=sampling, prompt_bucket=bucket, built=self.built[o],
                                          max_new_tokens=max_new_tokens) for o, s in self.specs.items()}
         length = max([d.cache_length for d, _ in built.values()] + [cache_length(bucket, max_new_tokens, 1)])
         decoders = {o: dataclasses.replace(d, cache_length=length, shared=self.shared, logprobs=logprobs)
                     for o, (d, _) in built.items()}
-        decoders[PLAIN] = Decoder(cache_length=length, sampling=sampling, shared=self.shared, mesh=engine.mesh,
-                                  logprobs=logprobs)
-        keys = {PLAIN: None, **{o: i for i, o in enumerate(self.specs)}}
-        ops = Slots(base=decoders[PLAIN], decoders=tuple(decoders[o] for o in self.specs))
+        base = Decoder(cache_length=length, sampling=sampling, shared=self.shared, mesh=engine.mesh, logprobs=logprobs)
+        ops = Slots(base=base, decoders=tuple(decoders[o] for o in self.specs))
+        keys = {PLAIN: None if self.ccfg is None else BARE, **{o: i for i, o in enumerate(self.specs)}}
+        decoders[PLAIN] = base if self.ccfg is None else ops.bare
         running = batch(ops, params=engine.params, compile=engine.program, empty=empty, sizes=sizes,
                         pparams=tuple(sharding.place_pparams(built[o][1], engine.mesh) for o in self.specs),
                         loops=tuple(keys[o] for o in self.options))

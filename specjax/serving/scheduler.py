@@ -294,13 +294,16 @@ class Scheduler:
             req.pool_slot = self._pool_slots.take(req.id)
             self.batch.upload(req.pool_slot, req.constraint)
             inputs = inputs.replace(constraint=jnp.asarray([req.pool_slot], jnp.int32))
-        view = self.batch.insert(slot, inputs)
+        active = [r for r in self.slots if r is not None]
+        size = next(x for x in self.sizes if x > max([slot] + [r.slot for r in active]))
+        bare = self.steering.bare(active, req, size=size)
+        view = self.batch.insert(slot, inputs, bare=bare)
         req.inputs = None  # inserted: its arrays are the batch's now (history keeps no device buffers)
         t = self.now()
         req.status, req.slot = Status.RUNNING, slot
         req.commit(view, len(req.ids), t)  # its first token
         self.slots[slot] = req
-        self.steering.start(req)
+        self.steering.start(req, bare=bare)
         if view.done[slot]:
             self._finish(req, t, 0)
 
