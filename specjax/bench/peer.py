@@ -17,6 +17,10 @@ processing included, summed over the prompts; llama-server's own decode-only rat
 per prompt, how many leading tokens each arm shares with specjax's plain output: llama.cpp rounds
 activations to 8 bits (not HF's arithmetic), so its greedy text drifts from ours after a while.
 `--weights-arith exact,q8` adds arms in specjax's q8 arithmetic (llama.cpp's; `weights_arith`).
+`--assets eagle,recycle` loads the model's shipped assets, so auto chooses among their options too
+(as `specjax loadbench --assets`); `--raw` sends the prompt text as it is (a base model without a
+chat template: Gemma 3 270M). Below the table, each arm's tok/s per task class against llama.cpp's
+plain on the same class.
 
 Example:
   python -m specjax.bench.peer --model smollm2-135m --prompts-file tasks --per-task 1 \\
@@ -177,12 +181,12 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _specjax(model: str, k: int, arith: str = "exact"):
+def _specjax(model: str, k: int, arith: str = "exact", assets: tuple[str, ...] = ()):
     """specjax's arms in `arith` (`weights_arith`; " q8" ends their names): plain and prompt lookup
-    through `Engine.generate`, one request at a time."""
+    through `Engine.generate`, one request at a time; `assets`: the shipped assets auto may use."""
     from specjax import Engine, SpecConfig
 
-    engine = Engine.load(model, weights_arith=arith)
+    engine = Engine.load(model, weights_arith=arith, assets={m: "default" for m in assets})
     stop = tuple(engine.tokenizer.stop_ids)
     tag = "" if arith == "exact" else f" {arith}"
 
@@ -196,7 +200,7 @@ def _specjax(model: str, k: int, arith: str = "exact"):
                           f"specjax ngram k={k}{tag}": arm(SpecConfig(method="ngram", k=k))}
 
 
-def _auto(engine, prompts, max_new: int) -> tuple[list[Run], list[Run]]:
+def _auto(engine, prompts, max_new: int, chat: bool = True) -> tuple[list[Run], list[Run]]:
     """Auto and plain through the scheduler (`specjax generate --method auto`'s comparison), one
     request at a time: (auto's runs, plain's runs)."""
     from specjax.bench import auto_vs_plain
@@ -205,7 +209,7 @@ def _auto(engine, prompts, max_new: int) -> tuple[list[Run], list[Run]]:
 
     ccfg = ControllerConfig().with_assets(engine.assets)
     runs = auto_vs_plain.run(engine, prompts, GenerateOptions(max_new_tokens=max_new), ccfg, slots=1, repeats=1,
-                             chat=True)
+                             chat=chat)
     as_runs = lambda reqs: [Run(list(r.tokens), r.latency_s) for r in reqs]
     return as_runs(runs.auto[0]), as_runs(runs.plain[0])
 
@@ -219,12 +223,14 @@ def measure(args) -> dict:
     bin_dir = pathlib.Path(args.llama_bin) if args.llama_bin else build(jobs=args.jobs)
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
     ours, engines = {}, {}
+    assets = tuple(a for a in (args.assets or "").split(",") if a)
     for arith in args.weights_arith.split(","):
-        engines[arith], stop, arms = _specjax(args.model, args.k, arith)
+        engines[arith], stop, arms = _specjax(args.model, args.k, arith, assets)
         ours.update(arms)
     engine = next(iter(engines.values()))
-    ids = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}]),
-                                   add_bos=False) for p in prompts]
+    tok = engine.tokenizer
+    ids = [tok.encode(p.text) if args.raw else
+           tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]), add_bos=False) for p in prompts]
     ctx = max(map(len, ids)) + args.max_new_tokens + 64
     runs: dict[str, list[list[Run]]] = {}
     bench: list[float] = []
@@ -243,7 +249,7 @@ def measure(args) -> dict:
                     runs.setdefault(name, [[None] * len(ids) for _ in range(args.repeats)])[rep][i] = \
                         arms[name](x, args.max_new_tokens)
             for arith, eng in ([] if args.no_auto else engines.items()):
-                auto, splain = _auto(eng, prompts, args.max_new_tokens)
+                auto, splain = _auto(eng, prompts, args.max_new_tokens, chat=not args.raw)
                 tag = "" if arith == "exact" else f" {arith}"
                 runs.setdefault(f"specjax auto{tag}", []).append(auto)
                 runs.setdefault(f"specjax plain (scheduler){tag}", []).append(splain)
@@ -279,7 +285,25 @@ def report(rec: dict, out=sys.stdout) -> dict:
     for name, r in rows.items():
         print(f"  {name:28s} " + " ".join(f"{n:4d}" for n in r["shared_prefix"]), file=out)
     print("  (prompt classes: " + ", ".join(str(p.task) for p in prompts) + ")", file=out)
-    return dict(llama_bench=bench, arms=rows)
+    classes = _per_class(runs, prompts)
+    if len(classes) > 1:
+        print("tok/s per task class (x llama.cpp plain on that class):", file=out)
+        for name, by in classes.items():
+            ref_by = classes["llama.cpp plain"]
+            print(f"  {name:28s} " + "  ".join(f"{t} {v:.1f} ({v / ref_by[t]:.2f}x)" for t, v in by.items()), file=out)
+    return dict(llama_bench=bench, arms={n: dict(r, per_class=classes[n]) for n, r in rows.items()})
+
+
+def _per_class(runs: dict, prompts) -> dict[str, dict[str, float]]:
+    """Each arm's tok/s per task class: the median over repeats of the class's new tokens over its
+    requests' summed seconds."""
+    tasks = list(dict.fromkeys(str(p.task) for p in prompts))
+    out = {}
+    for name, reps in runs.items():
+        out[name] = {t: statistics.median(
+            sum(len(r.tokens) for r, p in zip(rep, prompts) if str(p.task) == t)
+            / sum(r.seconds for r, p in zip(rep, prompts) if str(p.task) == t) for rep in reps) for t in tasks}
+    return out
 
 
 def main(argv=None) -> int:
@@ -297,6 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--weights-arith", default="exact",
                    help="specjax's arithmetic, or several comma-separated, each its own arms: exact (HF's "
                         "numbers), q8 (llama.cpp's; the arms' names end in q8)")
+    p.add_argument("--assets", default="",
+                   help="comma-separated shipped assets to load (eagle, recycle), among auto's options")
+    p.add_argument("--raw", action="store_true",
+                   help="send each prompt's text as it is, without the chat template (a base model)")
     p.add_argument("--json", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
     table = report(measure(args))
