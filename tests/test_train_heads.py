@@ -134,18 +134,18 @@ def test_resume_into_another_runs_directory_names_the_shapes_and_touches_nothing
 def test_a_nan_loss_stops_training_with_the_step_and_keeps_the_last_good_checkpoint(tiny_model, cycle, tmp_path):
     config = TrainConfig(steps=8, batch_size=16, warmup=1, save_every=2, log_every=1)
     t = Trainer(HeadsConfig.for_model(tiny_model.config, num_heads=2), tiny_model, cycle[0], None, tmp_path, config)
-    t.fit(stop_at=3, progress=False)
+    t.fit(stop_at=3, progress=False)  # a pause: it saves at step 3
     poisoned = dataclasses.replace(cycle[0], hidden=np.full_like(cycle[0].hidden, np.nan))
     t.data = poisoned  # a loss made NaN on purpose from step 4 on
     before = _files(tmp_path / "checkpoints")
-    with pytest.raises(checkpoint.NonFiniteLoss, match=r"loss is nan at step 4.*last good checkpoint, step 2"):
+    with pytest.raises(checkpoint.NonFiniteLoss, match=r"loss is nan at step 4.*last good checkpoint, step 3"):
         t.fit(progress=False)
     t.ckpts.close()
     assert _files(tmp_path / "checkpoints") == before and t.step == 3
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
     resumed = Trainer(HeadsConfig.for_model(tiny_model.config, num_heads=2), tiny_model, cycle[0], None, tmp_path,
                       config)
-    assert resumed.resume() == 2
+    assert resumed.resume() == 3
 
 
 def test_corrupt_latest_checkpoint_falls_back_and_keeps_previous(tiny_model, cycle, tmp_path):

@@ -14,10 +14,12 @@ import math
 import os
 import pathlib
 import shutil
+import time
 import warnings
 
 import jax
 import orbax.checkpoint as ocp
+from tqdm import tqdm
 
 from specjax.models.heads_io import (  # noqa: F401  (re-exported for training code)
     MANIFEST, abstract_heads, heads_from_params, load_heads, params_of, save_heads, shipped_heads_dir)
@@ -137,13 +139,16 @@ class TrainCheckpoints:
 
 
 class ResumableRun:
-    """What a training run shares with every other: resume from, and save to, its checkpoints, and
-    append metrics to `out/metrics.jsonl`.
+    """What a training run shares with every other: the loop (`fit`), resume from and save to its
+    checkpoints, and append metrics to `out/metrics.jsonl`.
 
     A subclass sets `params`, `opt_state`, `step`, `elapsed` (training seconds), `run` (the settings
-    a resumed run must match), `ckpts` (`TrainCheckpoints`) and `out`, and may set `loader` (an
-    object with `state()` and `restore(state)`, e.g. `train_heads.cache.EpochLoader`),
-    whose position is saved in every checkpoint and restored with it.
+    a resumed run must match), `ckpts` (`TrainCheckpoints`), `out` and `schedule` (its config: `steps`,
+    `log_every`, `eval_every`, `save_every`), and may set `loader` (an object with `state()` and
+    `restore(state)`, e.g. `train_heads.cache.EpochLoader`), whose position is saved in every
+    checkpoint and restored with it. The method is in four hooks: `train_step_once` (one optimiser
+    step), `record` (a metrics line), `evaluate` (held-out metrics) and `evaluates` (whether it has
+    held-out data); `eval_key` names its held-out lines.
     """
 
     params: dict
@@ -153,6 +158,63 @@ class ResumableRun:
     run: dict
     ckpts: TrainCheckpoints
     out: pathlib.Path
+    schedule: object
+    eval_key = "eval"
+    desc = "train"
+
+    # ---- the method's hooks --------------------------------------------------------------------
+    def train_step_once(self) -> tuple[dict, dict, dict]:
+        """One optimiser step on the loader's next batch: (params, opt_state, host metrics with "loss")."""
+        raise NotImplementedError
+
+    def record(self, metrics: list[dict], seconds: float) -> tuple[dict, dict]:
+        """A metrics line from the steps since the last one (their host metrics, their seconds), and the
+        progress bar's postfix."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def evaluates(self) -> bool:
+        return True
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def fit(self, *, stop_at: int | None = None, max_seconds: float | None = None, progress: bool = True) -> dict:
+        """Trains from the current step to `schedule.steps`, or to `stop_at`, or until `max_seconds`
+        pass (each a pause: it saves there). Logs a line every `log_every` steps, evaluates every
+        `eval_every` and at the pause, saves every `save_every` and at the pause. A non-finite loss
+        stops it before that step is kept (`check_finite`). Returns the last held-out metrics ({}
+        without held-out data)."""
+        c = self.schedule
+        end = min(c.steps, stop_at or c.steps)
+        t_start, window, seen, last = time.perf_counter(), 0.0, [], {}
+        bar = tqdm(total=end, initial=self.step, disable=not progress, desc=self.desc, unit="step")
+        while self.step < end:
+            t0 = time.perf_counter()
+            params, opt_state, m = self.train_step_once()
+            self.check_finite(float(m["loss"]), self.step + 1)
+            self.params, self.opt_state, self.step = params, opt_state, self.step + 1
+            seen.append(m)
+            dt = time.perf_counter() - t0
+            self.elapsed, window = self.elapsed + dt, window + dt
+            bar.update(1)
+            timed_out = max_seconds is not None and time.perf_counter() - t_start > max_seconds
+            pause = self.step == end or timed_out
+            if self.step % c.log_every == 0 or pause:
+                line, postfix = self.record(seen, window)
+                self._log(dict(step=self.step, **line))
+                bar.set_postfix(postfix)
+                seen, window = [], 0.0
+            if self.step % c.save_every == 0 or pause:
+                self.save()
+            if self.evaluates and (self.step % c.eval_every == 0 or pause):
+                last = self.evaluate()
+                self._log({"step": self.step, self.eval_key: last})
+            if timed_out:
+                break
+        bar.close()
+        return last or (self.evaluate() if self.evaluates else {})  # (a run already at its end: evaluated)
 
     @property
     def metrics_path(self) -> pathlib.Path:

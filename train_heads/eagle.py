@@ -48,7 +48,6 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 from specjax.models import eagle as eagle_model
 from specjax.models import eagle_io
@@ -272,12 +271,15 @@ def summarize(sums: dict) -> dict:
 
 
 class EagleTrainer(ResumableRun):
-    """A resumable EAGLE head run: `fit`, `evaluate`, `save`; checkpoints and metrics in `out`.
+    """A resumable EAGLE head run: `fit` (`ResumableRun.fit`, the one loop), `evaluate`, `save`;
+    checkpoints and metrics in `out`.
 
     `train` and `held_out` are both `Sequences` (the target runs inside each step) or both
     `CachedSequences` (the target's side read from a feature cache). The data loader's position is
     saved in every checkpoint.
     """
+
+    eval_key, desc = "held_out", "eagle"
 
     def __init__(self, config: EagleConfig, target, train, held_out, draft_ids,
                  out: str | pathlib.Path, cfg: EagleTrainConfig, *, run_info: dict | None = None,
@@ -299,7 +301,7 @@ class EagleTrainer(ResumableRun):
             raise ValueError(f"sequences must be padded to seq_len={cfg.seq_len}")
         if len(train) == 0 or len(held_out) == 0:
             raise ValueError("no training or held-out sequences")
-        self.config, self.cfg, self.train, self.held_out = config, cfg, train, held_out
+        self.config, self.cfg, self.schedule, self.train, self.held_out = config, cfg, cfg, train, held_out
         self.out = pathlib.Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.mesh = jax.sharding.Mesh(np.asarray(self.devices), ("data",))
@@ -346,47 +348,26 @@ class EagleTrainer(ResumableRun):
         return jax.device_put({k: jnp.asarray(v) for k, v in host.items()}, self.rows), num_rows(host["mask"])
 
     def fit(self, *, stop_at: int | None = None, max_seconds: float | None = None, progress: bool = True) -> dict:
-        """Trains to `stop_at` (default: all steps) or until `max_seconds` pass; returns held-out metrics."""
-        cfg = self.cfg
-        end = min(cfg.steps, stop_at or cfg.steps)
-        t_start = time.perf_counter()
-        if self.step == 0 and self.run.get("init"):  # what the starting head does on this data
+        """`ResumableRun.fit`; a run from `--init` first logs what the starting head does on this data."""
+        if self.step == 0 and self.run.get("init"):
             self._log(dict(step=0, held_out=self.evaluate()))
-        bar = tqdm(total=end, initial=self.step, disable=not progress, desc="eagle", unit="step")
-        sums, window = None, 0.0
-        while self.step < end:
-            t0 = time.perf_counter()
-            batch, rows = self._batch(self.train, self.loader.next())
-            key = jax.random.fold_in(jax.random.key(cfg.seed), self.step)
-            params, opt_state, m = self.train_step(self.params, self.opt_state, self.frozen, self.ids, batch, key,
-                                                   rows=rows)
-            m = jax.device_get(m)
-            self.check_finite(float(m["loss"]), self.step + 1)
-            self.params, self.opt_state = params, opt_state
-            self.step += 1
-            sums = m if sums is None else jax.tree.map(np.add, sums, m)
-            dt = time.perf_counter() - t0
-            self.elapsed += dt
-            window += dt
-            bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == end:
-                s = summarize(sums)
-                rate = float(np.asarray(sums["count"])[0]) / max(window, 1e-9)  # trained positions per second
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc0=s["acc"][0], pos_s=f"{rate:.0f}")
-                self._log(dict(step=self.step, loss=round(float(m["loss"]), 4), train=s,
-                               elapsed_s=round(self.elapsed, 1), positions_per_s=round(rate, 1)))
-                sums, window = None, 0.0
-            if self.step % cfg.save_every == 0 or self.step == end:
-                self.save()
-            if self.step % cfg.eval_every == 0 and self.step < end:
-                self._log(dict(step=self.step, held_out=self.evaluate()))
-            if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-                self.save()
-                break
-        bar.close()
-        metrics = self.evaluate()
-        self._log(dict(step=self.step, held_out=metrics))
-        return metrics
+        return super().fit(stop_at=stop_at, max_seconds=max_seconds, progress=progress)
+
+    def train_step_once(self) -> tuple[dict, dict, dict]:
+        batch, rows = self._batch(self.train, self.loader.next())
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)
+        params, opt_state, m = self.train_step(self.params, self.opt_state, self.frozen, self.ids, batch, key, rows=rows)
+        return params, opt_state, jax.device_get(m)
+
+    def record(self, metrics: list[dict], seconds: float) -> tuple[dict, dict]:
+        """The last step's loss; per-position acceptance and cross-entropy summed over the steps since the
+        last line, and the positions trained per second."""
+        sums = functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), metrics)
+        s = summarize(sums)
+        rate = float(np.asarray(sums["count"])[0]) / max(seconds, 1e-9)
+        loss = float(metrics[-1]["loss"])
+        line = dict(loss=round(loss, 4), train=s, elapsed_s=round(self.elapsed, 1), positions_per_s=round(rate, 1))
+        return line, dict(loss=f"{loss:.3f}", acc0=s["acc"][0], pos_s=f"{rate:.0f}")
 
     def evaluate(self, data=None) -> dict:
         """Held-out per-position acceptance (see the module docstring), cross-entropy and tau."""

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import math
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
-from tqdm import tqdm
 
 from specjax import sharding
 from specjax.models.heads import HeadsConfig, MedusaHeads
@@ -180,14 +178,17 @@ def batch_rows(rows: np.ndarray, batch_size: int, seed: int, step: int) -> np.nd
 
 
 class Trainer(checkpoint.ResumableRun):
-    """Trains heads against a frozen base model on `TokenData`; writes checkpoints and metrics to `out`."""
+    """Trains heads against a frozen base model on `TokenData`; writes checkpoints and metrics to `out`.
+    `fit` is the run's loop (`checkpoint.ResumableRun.fit`); `stop_at` pauses it there, saved."""
+
+    desc = "train heads"
 
     def __init__(self, heads_config: HeadsConfig, base: nnx.Module, train_data: TokenData,
                  eval_data: TokenData | None, out: str | pathlib.Path, config: TrainConfig, *, run_info=None,
                  mesh: Mesh | None = None):
         if train_data.hidden.shape[-1] != heads_config.dim:
             raise ValueError(f"data hidden size {train_data.hidden.shape[-1]} != heads dim {heads_config.dim}")
-        self.hc, self.config, self.out = heads_config, config, pathlib.Path(out)
+        self.hc, self.config, self.schedule, self.out = heads_config, config, config, pathlib.Path(out)
         self.mesh = sharding.check_mesh(mesh) or sharding.make_mesh(data=-1)  # default: all devices on data
         self.devices = list(self.mesh.devices.flat)
         dp = self.mesh.shape["data"]
@@ -228,39 +229,24 @@ class Trainer(checkpoint.ResumableRun):
     def heads(self) -> MedusaHeads:
         return checkpoint.heads_from_params(self.hc, sharding.host_view(self.params, self.mesh))
 
-    def fit(self, *, stop_at: int | None = None, progress: bool = True) -> dict:
-        """Runs from the current step to `config.steps` (or `stop_at`, as if killed there).
+    def train_step_once(self) -> tuple[dict, dict, dict]:
+        idx = self.rows[self.loader.next()]
+        hidden = sharding.put(self.data.hidden[idx], self.rows_sharding)
+        labels = sharding.put(self.labels[idx], self.rows_sharding)
+        tokens = sharding.put(self.data.tokens[idx], self.rows_sharding)
+        params, opt_state, m = self.train_step(self.params, self.opt_state, self.base_params, hidden, labels, tokens)
+        return params, opt_state, sharding.host_view(m, self.mesh)
 
-        Returns the last evaluation's metrics (empty without eval data).
-        """
-        c = self.config
-        end = min(c.steps, stop_at) if stop_at is not None else c.steps
-        last_eval: dict = {}
-        bar = tqdm(total=c.steps, initial=self.step, disable=not progress, desc="train heads", unit="step")
-        while self.step < end:
-            t0 = time.perf_counter()
-            idx = self.rows[self.loader.next()]
-            hidden = sharding.put(self.data.hidden[idx], self.rows_sharding)
-            labels = sharding.put(self.labels[idx], self.rows_sharding)
-            tokens = sharding.put(self.data.tokens[idx], self.rows_sharding)
-            self.params, self.opt_state, m = self.train_step(
-                self.params, self.opt_state, self.base_params, hidden, labels, tokens)
-            self.check_finite(float(sharding.host_view(m["loss"], self.mesh)), self.step + 1)
-            self.step += 1
-            if self.step % c.log_every == 0 or self.step == end:
-                m = sharding.host_view(m, self.mesh)
-                self._log(dict(step=self.step, loss=round(float(m["loss"]), 5), ce=m["ce"].round(4).tolist(),
-                               acc=m["acc"].round(4).tolist(), lr=float(schedule(c)(self.step - 1))))
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc0=f"{float(m['acc'][0]):.3f}")
-            self.elapsed += time.perf_counter() - t0
-            bar.update(1)
-            if self.eval_data is not None and (self.step % c.eval_every == 0 or self.step == c.steps):
-                last_eval = self.evaluate()
-                self._log(dict(step=self.step, eval=last_eval))
-            if self.step % c.save_every == 0 or self.step == c.steps:
-                self.save()
-        bar.close()
-        return last_eval
+    def record(self, metrics: list[dict], seconds: float) -> tuple[dict, dict]:
+        """The last step's loss, per-head cross-entropy and accuracy, and its learning rate."""
+        m = metrics[-1]
+        line = dict(loss=round(float(m["loss"]), 5), ce=m["ce"].round(4).tolist(), acc=m["acc"].round(4).tolist(),
+                    lr=float(schedule(self.config)(self.step - 1)))
+        return line, dict(loss=f"{float(m['loss']):.3f}", acc0=f"{float(m['acc'][0]):.3f}")
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_data is not None
 
     def evaluate(self, data: TokenData | None = None, *, batch_size: int = 512) -> dict:
         """Per-head top-1 / top-5 accuracy and cross-entropy on held-out rows (and the base's top-1)."""
