@@ -151,9 +151,11 @@ def _dense_packed(x, w, layout: str):
     if x.shape[-1] != k:
         raise ValueError(f"dense: x {tuple(x.shape)} and a packed {w.qtype} weight [N={n}, K={k}] do not contract")
     lead, m = x.shape[:-1], _rows(x)
-    # q8 for every product of the weight whatever its rows (decode, verify, prefill): one arithmetic
+    # q8: the kernel for every product of the weight whatever its rows (decode, verify, prefill): one
+    # arithmetic (the K-quant types, exact in q8, too: XLA's dot would round a row differently with
+    # the rows beside it, and q8's 8-bit activations downstream turn that ulp into another token)
     q8 = w.arith == "q8" and w.qtype in quant.Q8_TYPES
-    if _use_packed_kernel(m, x, any_rows=q8):
+    if _use_packed_kernel(m, x, any_rows=w.arith == "q8"):
         return qdense_nk_kernel(x.reshape(m, k), w.blocks, w.qtype, w.shape, arith="q8" if q8 else "exact"
                                 ).reshape(*lead, n)
     if q8:
@@ -172,7 +174,7 @@ def _dense_packed_many(x, ws, layout: str) -> tuple:
         return tuple(dense(x, w, layout) for w in ws)
     lead, m = x.shape[:-1], _rows(x)
     q8 = first.arith == "q8" and first.qtype in quant.Q8_TYPES
-    if not _use_packed_kernel(m, x, any_rows=q8):
+    if not _use_packed_kernel(m, x, any_rows=first.arith == "q8"):
         return tuple(dense(x, w, layout) for w in ws)
     ys = qdense_nk_kernels(x.reshape(m, x.shape[-1]), [w.blocks for w in ws], first.qtype, [w.shape for w in ws],
                            arith="q8" if q8 else "exact")

@@ -116,6 +116,24 @@ def test_kernel_q8_leaves_k_quants_exact(packed_kernel):
                                   _bits(linear.qdense_nk_kernel(x, raw, "Q6_K", (9, 256))))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_q8_model_multiplies_k_quants_in_the_kernel_at_every_row_count(packed_kernel, qtype):
+    """In a q8 model the K-quant weights (exact arithmetic) go to the kernel at any row count, as the q8
+    types do: past the kernel's 33 rows XLA's dot would round a row differently with the rows beside
+    it (a prefill of two prompts against one), and q8's 8-bit activations downstream turn that ulp
+    into another token. A row of a 40-row product is bit for bit the row alone."""
+    rng = np.random.default_rng(3)
+    n, k = 24, 512
+    w = quant.PackedWeight(jnp.asarray(_random_blocks(qtype, n, k, seed=2)), qtype, (n, k), "q8")
+    x = jnp.asarray(rng.normal(size=(40, k)).astype(np.float32))
+    got = np.asarray(jax.jit(lambda x: linear.dense(x, w, "nk"))(x))
+    assert "qdense" in jax.jit(lambda x: linear.dense(x, w, "nk")).lower(x).as_text()  # the kernel's custom call
+    for r in (0, 17, 39):
+        np.testing.assert_array_equal(_bits(np.asarray(linear.dense(x[r:r + 1], w, "nk"))[0]), _bits(got[r]))
+    exact = quant.PackedWeight(w.blocks, qtype, (n, k), "exact")
+    np.testing.assert_array_equal(_bits(got), _bits(np.asarray(linear.qdense_nk_kernel(x, exact.blocks, qtype, (n, k)))))
+
+
 def test_avx2_and_scalar_builds_agree_bit_for_bit(packed_kernel):
     """The AVX2 path (maddubs; the sign trick for Q8_0) and the scalar one (a build without AVX) sum the
     same integers in the same lanes: the same bits, and the oracle's values."""

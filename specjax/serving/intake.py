@@ -72,7 +72,7 @@ class Intake:
         if bucket is not None and self.engine.bucket_for(len(ids)) > bucket:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds this scheduler's bucket of "
                              f"{bucket}; pass max_prompt_tokens= when creating it")
-        self._check_speculation(opt_out, speculation)
+        speculation = self._speculation(opt_out, speculation)
         stops = tuple(dict.fromkeys([*self.engine.stop_ids(o), *map(int, stop_ids)]))
         (predicted,) = self.engine.encode_predictions([prediction], 1)
         cap = self.prediction_cap
@@ -87,21 +87,26 @@ class Intake:
                              "per token (Scheduler(logprobs=N); a server: --logprobs N)")
         req = Request(id=rid, ids=ids, max_new_tokens=int(m), task=task, arrival=arrival, opt_out=opt_out,
                       contribute=contribute and not opt_out, seed=o.seed if seed is None else seed,
-                      speculation=None if speculation is None else self.engine.resolve(speculation), tenant=tenant,
+                      speculation=speculation, tenant=tenant,
                       stop_ids=stops, stream=None if stream is None else int(stream), prediction=predicted,
                       constraint=tables, logit_bias=bias, top_logprobs=top_logprobs, **sp)
         req.inputs = self.inputs(req)  # validated once, at the core's boundary; reused at insert
         return req
 
-    def _check_speculation(self, opt_out: bool, speculation: SpecConfig | None) -> None:
+    def _speculation(self, opt_out: bool, speculation: SpecConfig | None) -> SpecConfig | None:
+        """The option a request names, checked and resolved (None: any)."""
         options = self.options.options
         if opt_out and PLAIN not in options:
             raise ValueError("opt_out needs the plain loop: create the scheduler with with_plain=True")
-        if speculation is not None and not isinstance(speculation, SpecConfig):
+        if speculation is None:
+            return None
+        if not isinstance(speculation, SpecConfig):
             raise ValueError(f"speculation={speculation!r}: give a SpecConfig, one of this scheduler's options")
-        if speculation is not None and self.engine.resolve(speculation) not in options:
+        resolved = self.engine.resolve(speculation)
+        if resolved not in options:
             raise ValueError(f"speculation {speculation.label}: this scheduler runs "
                              f"{', '.join(o.label for o in options)}")
+        return resolved
 
     def check_logit_bias(self, bias: dict | None) -> dict[int, float] | None:
         """A request's logit_bias checked (`sampling.check_logit_bias`) against the vocabulary and the

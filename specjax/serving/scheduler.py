@@ -53,6 +53,11 @@ from specjax.serving.requests import (Request, RowSnapshot, SchedulerSnapshot, S
 from specjax.telemetry import StopReason
 
 
+def _views(owner: str, *names: str) -> tuple[property, ...]:
+    """Read-only properties, one per name, that read `self.<owner>.<name>`."""
+    return tuple(property(lambda self, n=n: getattr(getattr(self, owner), n)) for n in names)
+
+
 class Scheduler:
     """Serves many requests through one fixed-shape batch of `slots` rows.
 
@@ -95,16 +100,9 @@ class Scheduler:
         self.clock, self.max_prompt_tokens, self._batch_engine = clock, max_prompt_tokens, batch_engine
         self.option_set = o = OptionSet.resolve(engine, spec, controller=controller, ngram_table=ngram_table,
                                                 with_plain=with_plain, constraint_pool=constraint_pool, slots=self.b)
-        self.ccfg, self.specs, self.options, self.fixed, self.shared, self.table = (
-            o.ccfg, o.specs, o.options, o.fixed, o.shared, o.table)
         self.intake = Intake(engine, opts, o, slots=self.b, chat=chat, constraint_pool=constraint_pool,
                              logit_bias=logit_bias, logprobs=logprobs)
-        self.constraint_pool, self.prediction_cap = constraint_pool, o.prediction_cap
-        self.logit_bias, self.logprobs = self.intake.logit_bias, self.intake.logprobs
-        self.check_logit_bias, self.check_constraint = self.intake.check_logit_bias, self.intake.check_constraint
         self.steering = Steering(o, sizes=self.sizes, costs=costs)
-        self.replays, self.costs = self.steering.replays, self.steering.costs
-        self.controller, self.cost = None, None  # auto's controller and full-batch cost, from `prepare`
         self._pool_slots = PoolSlots(self.b)  # which request holds which pool slot
         keep = lambda: [] if history is None else collections.deque(maxlen=int(history))
         self.requests: list[Request] = keep()
@@ -195,8 +193,7 @@ class Scheduler:
         runs it if not called; call it first to keep compile time out of timings."""
         if self.batch is not None:
             return
-        longest = self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1])
-        self.bucket = self.engine.bucket_for(longest)
+        self.bucket = self.engine.bucket_for(self.max_prompt_tokens or max([len(r.ids) for r in self.requests] or [1]))
         self.built = self.option_set.build(self.engine, bucket=self.bucket, max_new_tokens=self.opts.max_new_tokens,
                                            sampling=self.opts.sampling, logprobs=self.logprobs, sizes=self.sizes,
                                            empty=self.intake.placeholders(max_new=1), batch=self._batch_engine)
@@ -204,7 +201,13 @@ class Scheduler:
         for p in sorted({self.engine.bucket_for(len(r.ids)) for r in self.queue}):
             self.batch.compile_insert(self.intake.placeholder(p))
         self.steering.calibrate(lambda size: self.calibrate(size=size))
-        self.controller, self.cost, self.costs = self.steering.controller, self.steering.cost, self.steering.costs
+
+    # what the option set, the intake and the steering own (see each), read as the Scheduler's
+    ccfg, specs, options, fixed, shared, table, prediction_cap = _views(
+        "option_set", "ccfg", "specs", "options", "fixed", "shared", "table", "prediction_cap")
+    logit_bias, logprobs, constraint_pool, check_logit_bias, check_constraint = _views(
+        "intake", "logit_bias", "logprobs", "constraint_pool", "check_logit_bias", "check_constraint")
+    replays, controller, cost, costs = _views("steering", "replays", "controller", "cost", "costs")  # `prepare`
 
     @property
     def state(self) -> DecodeState | None:
@@ -258,7 +261,7 @@ class Scheduler:
             wait = min(r.arrival for r in self.queue) - self.now()  # all queued ones are in the future
             time.sleep(max(0.0, wait))
             return True
-        size = next(x for x in self.sizes if x > max(r.slot for r in active))  # the rows are packed at the front
+        size = self.steering.size_for(r.slot for r in active)  # the rows are packed at the front
         self._decode_chunk(self.steering.plan(active, size=size), active, size)
         return True
 
@@ -295,8 +298,7 @@ class Scheduler:
             self.batch.upload(req.pool_slot, req.constraint)
             inputs = inputs.replace(constraint=jnp.asarray([req.pool_slot], jnp.int32))
         active = [r for r in self.slots if r is not None]
-        size = next(x for x in self.sizes if x > max([slot] + [r.slot for r in active]))
-        bare = self.steering.bare(active, req, size=size)
+        bare = self.steering.bare(active, req, size=self.steering.size_for([slot, *(r.slot for r in active)]))
         view = self.batch.insert(slot, inputs, bare=bare)
         req.inputs = None  # inserted: its arrays are the batch's now (history keeps no device buffers)
         t = self.now()

@@ -12,7 +12,7 @@ or from an earlier host of the same options. A fixed spec needs none of this: `p
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from specjax import sharding
 from specjax.serving import controller as policy
@@ -47,6 +47,11 @@ class Steering:
         self.costs = self.costs or sharding.broadcast_from_0({size: measure(size) for size in self.sizes})
         self.cost = self.costs[self.sizes[-1]]
         self.controller = Controller(self.ccfg, self.cost)
+
+    def size_for(self, slots: Iterable[int]) -> int:
+        """The smallest batch size whose first rows hold every one of `slots`."""
+        last = max(slots)
+        return next(x for x in self.sizes if x > last)
 
     def bare(self, active: Sequence, req, *, size: int) -> bool:
         """Whether auto inserts `req` bare (`RunningBatch.insert(bare=True)`: the target's prefill
