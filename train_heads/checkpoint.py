@@ -184,7 +184,7 @@ class ResumableRun:
         """Trains from the current step to `schedule.steps`, or to `stop_at`, or until `max_seconds`
         pass (each a pause: it saves there). Logs a line every `log_every` steps, evaluates every
         `eval_every` and at the pause, saves every `save_every` and at the pause. A non-finite loss
-        stops it before that step is kept (`check_finite`). Returns the last held-out metrics ({}
+        stops it before that step is counted or saved (`check_finite`). Returns the last held-out metrics ({}
         without held-out data)."""
         c = self.schedule
         end = min(c.steps, stop_at or c.steps)
@@ -192,9 +192,9 @@ class ResumableRun:
         bar = tqdm(total=end, initial=self.step, disable=not progress, desc=self.desc, unit="step")
         while self.step < end:
             t0 = time.perf_counter()
-            params, opt_state, m = self.train_step_once()
+            self.params, self.opt_state, m = self.train_step_once()  # (a step may donate the old ones)
             self.check_finite(float(m["loss"]), self.step + 1)
-            self.params, self.opt_state, self.step = params, opt_state, self.step + 1
+            self.step += 1
             seen.append(m)
             dt = time.perf_counter() - t0
             self.elapsed, window = self.elapsed + dt, window + dt

@@ -102,7 +102,8 @@ class OptionSet:
             as its record serves it (`registry.serving`: prompt lookup turns its table on); the
             options' batch-shared state (`Proposer.shared`: the n-gram table, token recycling's
             matrix) lives in the batch state: every option's chunks feed it (plain too, but for
-            auto's: `build`), and slot refills keep it. None: each method's serving default; 0: no n-gram table.
+            auto's: `build`), and slot refills keep it. None: each method's serving default; 0: no
+            n-gram table.
           with_plain: with a fixed speculative `spec`, also compile the plain loop, so that a request
             may opt out of speculation (auto always has it).
           constraint_pool: the largest constraint a request may bring (`ConstraintLimits`: automaton

@@ -2,12 +2,13 @@
 models and the evidence it learns from.
 
 `Steering` is what a continuous-batching host (`specjax.serving.scheduler.Scheduler`) tells about its
-requests: `bare` before one's prefill (may it skip speculation's state?), `start` when its first token
-exists, `ran` after each chunk with its time, `chunk` with each row's counters, `end` when one leaves. It feeds the `Controller` (auto's per-row acceptance and
-per-task state) and the host replays (`specjax.serving.replays`), and `plan` asks the policy
-(`controller.plan`) for the next chunk's option at the cost measured for the chunk's batch size. The
-cost models come from `calibrate` (`Built.calibrate` per batch size, process 0's for every process)
-or from an earlier host of the same options. A fixed spec needs none of this: `plan` returns it.
+requests: `bare` before one's prefill (may it skip speculation's state?), `start` when its first
+token exists, `ran` after each chunk with its time, `chunk` with each row's counters, `end` when one
+leaves. It feeds the `Controller` (auto's per-row acceptance and per-task state) and the host
+replays (`specjax.serving.replays`), and `plan` asks the policy (`controller.plan`) for the next
+chunk's option at the cost measured for the chunk's batch size. The cost models come from
+`calibrate` (`Built.calibrate` per batch size, process 0's for every process) or from an earlier host
+of the same options. A fixed spec needs none of this: `plan` returns it.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ class Steering:
         alone, no proposer state, the batch-shared state not shown the prompt): when the batch of
         `active` and `req`, more than one row, at batch size `size`, is not expected to gain from
         speculation (`Controller.pays`), or `req` opted out. Plain chunks then run until it leaves,
-        without probes: under load speculation costs nothing while it does not pay. A single row is
-        always inserted whole, so that the controller still probes a class judged poor. Process 0's
-        answer is every process's."""
-        if self.controller is None or req.speculation is not None or any(r.speculation for r in active):
+        without probes: under load speculation costs nothing while it does not pay. A single row (not
+        opted out) is always inserted whole, so that the controller still probes a class judged poor.
+        Process 0's answer is every process's."""
+        if self.controller is None or any(r.speculation is not None for r in (*active, req)):
             return False
         if req.opt_out:
             return True
