@@ -286,7 +286,7 @@ def report(rec: dict, out=sys.stdout) -> dict:
         print(f"  {name:28s} " + " ".join(f"{n:4d}" for n in r["shared_prefix"]), file=out)
     print("  (prompt classes: " + ", ".join(str(p.task) for p in prompts) + ")", file=out)
     classes = _per_class(runs, prompts)
-    if len(classes) > 1:
+    if len({str(p.task) for p in prompts}) > 1:
         print("tok/s per task class (x llama.cpp plain on that class):", file=out)
         for name, by in classes.items():
             ref_by = classes["llama.cpp plain"]
