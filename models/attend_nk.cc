@@ -12,6 +12,12 @@
 // (uint8); the committed slots each query sees, lo [B, T] .. hi [B] (exclusive: the context before
 // the window, cut to a sliding window by lo). Output [B, T, Kv, G, H]:
 //   softmax(scale * q . keys) . values over the keys a query sees, in ascending slot order.
+// With `ring` 1, the buffers are a sliding-window layer's ring of S entries: slot s lives at entry
+// s % S (models/kv_cache.py). The slots a window reads, lo .. hi + T - 1, span at most S, so each is
+// one entry; they are still taken in slot (position) order, so a ring computes the same bits as a
+// full buffer holding the same keys. With `ring` 2 (a prefill longer than the ring keeps), the ring
+// is read before this forward's writes (its committed slots) and the window's keys and values come
+// from kn/vn [B, T, Kv, H] instead; otherwise kn/vn are not read (they may be empty).
 // Reading the buffers after XLA's in-place write (rather than before it) also spares the copy XLA
 // would otherwise make of each buffer to keep the read ahead of the write.
 // A query's result depends only on the keys it sees, taken in that order (its weight on any other key
@@ -119,14 +125,14 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
 // o_q[h0 .. h0 + 32) = sum over the keys, ascending, of p_q[a] * v[a], for NQ queries at once (the
 // heads of a row that share a kv head), so that each value row is read once for all of them (12
 // accumulators at NQ = 3). p_q: the query's normalized weights (stride n; 0 for a key it does not
-// see, which adds exactly nothing), o_q: its output (stride H). Key a's value row is at v + a * row.
+// see, which adds exactly nothing), o_q: its output (stride H). Key a's value row starts at vrows[a].
 template <int NQ>
-inline void pv_n(const float* p, int64_t n, const float* v, int64_t row, int64_t h0, float* o, int64_t H) {
+inline void pv_n(const float* p, int64_t n, const float* const* vrows, int64_t h0, float* o, int64_t H) {
   v8 acc[NQ][4];
   for (int g = 0; g < NQ; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = (v8){0};
   for (int64_t a = 0; a < n; ++a) {
-    const float* vr = v + a * row + h0;
-    if (a + 6 < n) __builtin_prefetch(vr + 6 * row);  // rows a stride apart: ahead of the prefetcher
+    const float* vr = vrows[a] + h0;
+    if (a + 6 < n) __builtin_prefetch(vrows[a + 6] + h0);  // rows a stride apart: ahead of the prefetcher
     const v8 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
     for (int g = 0; g < NQ; ++g) {
       const float pg = p[g * n + a];
@@ -147,14 +153,16 @@ constexpr int64_t TILE = 64;
 struct Scratch {
   std::vector<float> sc;        // scores, then weights: [T * G, n]
   std::vector<uint8_t> seen;    // [T, n]
+  std::vector<const float*> kr, vr;  // key a's key and value rows (of kv head c), [n] each
 };
 
 struct AttendWork {
-  const float *q, *k, *v;
+  const float *q, *k, *v, *kn, *vn;
   const uint8_t* mask;
   const int32_t *lo, *hi;
   float* out;
   int64_t B, T, S, C, G, H;
+  int ring;  // 0: a full buffer; 1: a ring of S entries (slot s at entry s % S); 2: a ring, the window from kn/vn
   float scale;
   std::atomic<int64_t> next{0}, done{0};
 
@@ -167,7 +175,7 @@ struct AttendWork {
   void item(int64_t it, Scratch& w) {
     const int64_t tile = it % tiles, c = (it / tiles) % C, b = it / (tiles * C);
     const int64_t t0 = tile * TILE, t1 = std::min(T, t0 + TILE), TQ = t1 - t0;
-    const int64_t w0 = std::clamp<int64_t>(hi[b], 0, S - T);  // the window's first slot
+    const int64_t w0 = ring ? std::max<int64_t>(hi[b], 0) : std::clamp<int64_t>(hi[b], 0, S - T);  // the window's first slot
     int64_t s0 = w0, jn = 0;  // the committed keys from s0; the window's first jn slots
     for (int64_t t = t0; t < t1; ++t) {
       s0 = std::min(s0, std::clamp<int64_t>(lo[b * T + t], 0, w0));
@@ -181,6 +189,19 @@ struct AttendWork {
     const int64_t kv_row = C * H;  // floats between a buffer's consecutive slots
     w.sc.resize(static_cast<size_t>(Q * n));
     w.seen.resize(static_cast<size_t>(TQ * n));
+    w.kr.resize(static_cast<size_t>(n));
+    w.vr.resize(static_cast<size_t>(n));
+    for (int64_t a = 0; a < n; ++a) {  // key a: slot s0 + a (the committed, then the window)
+      if (ring == 2 && a >= nc) {  // window key a - nc, from this forward's own
+        const int64_t at = ((b * T + a - nc) * C + c) * H;
+        w.kr[a] = kn + at;
+        w.vr[a] = vn + at;
+        continue;
+      }
+      const int64_t at = (b * S + (ring ? (s0 + a) % S : s0 + a)) * kv_row + c * H;
+      w.kr[a] = k + at;
+      w.vr[a] = v + at;
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t from = std::clamp<int64_t>(lo[b * T + t], 0, w0) - s0;
       uint8_t* sn = w.seen.data() + (t - t0) * n;
@@ -188,10 +209,9 @@ struct AttendWork {
       for (int64_t j = 0; j < jn; ++j) sn[nc + j] = mask[(b * T + t) * T + j] != 0;
     }
     // scores: 8 keys at a time for each query (the last group padded with the first key, unused)
-    const float* kc = k + (b * S + s0) * kv_row + c * H;  // key a: slot s0 + a (the committed, then the window)
     for (int64_t a0 = 0; a0 < n; a0 += 8) {
       const float* rows[8];
-      for (int i = 0; i < 8; ++i) rows[i] = kc + (a0 + i < n ? a0 + i : a0) * kv_row;
+      for (int i = 0; i < 8; ++i) rows[i] = w.kr[a0 + i < n ? a0 + i : a0];
       const int64_t m8 = std::min<int64_t>(8, n - a0);
       for (int64_t qi = 0; qi < Q; ++qi) {
         const int64_t t = t0 + qi / G, g = qi % G;
@@ -233,7 +253,6 @@ struct AttendWork {
       }
     }
     // outputs: 32 columns of a row's heads at a time (up to 4)
-    const float* vc = v + (b * S + s0) * kv_row + c * H;
     for (int64_t t = 0; t < TQ; ++t) {
       float* ot = out + ((b * T + t0 + t) * C + c) * G * H;
       int64_t h0 = 0;
@@ -241,10 +260,10 @@ struct AttendWork {
         for (int64_t g = 0; g < G; g += 4) {
           const float* p = w.sc.data() + (t * G + g) * n;
           switch (std::min<int64_t>(4, G - g)) {
-            case 1: pv_n<1>(p, n, vc, kv_row, h0, ot + g * H, H); break;
-            case 2: pv_n<2>(p, n, vc, kv_row, h0, ot + g * H, H); break;
-            case 3: pv_n<3>(p, n, vc, kv_row, h0, ot + g * H, H); break;
-            default: pv_n<4>(p, n, vc, kv_row, h0, ot + g * H, H);
+            case 1: pv_n<1>(p, n, w.vr.data(), h0, ot + g * H, H); break;
+            case 2: pv_n<2>(p, n, w.vr.data(), h0, ot + g * H, H); break;
+            case 3: pv_n<3>(p, n, w.vr.data(), h0, ot + g * H, H); break;
+            default: pv_n<4>(p, n, w.vr.data(), h0, ot + g * H, H);
           }
         }
       if (h0 < H)  // the last H % 32 columns
@@ -253,7 +272,7 @@ struct AttendWork {
           std::fill(o + h0, o + H, 0.f);
           for (int64_t a = 0; a < n; ++a) {
             const float pa = w.sc[(t * G + g) * n + a];
-            const float* vr = vc + a * kv_row;
+            const float* vr = w.vr[a];
             for (int64_t h = h0; h < H; ++h) o[h] += pa * vr[h];
           }
         }
@@ -271,8 +290,9 @@ struct AttendWork {
 };
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                  ffi::Buffer<ffi::U8> mask,
-                  ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi, ffi::ResultBuffer<ffi::F32> out, float scale) {
+                  ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::U8> mask,
+                  ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi, ffi::ResultBuffer<ffi::F32> out, float scale,
+                  int32_t ring) {
   auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
   const char* usage =
       "specjax_attend: needs q [B, T, Kv, G, H], k/v [B, S, Kv, H] with S >= T, mask uint8 [B, T, T], "
@@ -281,18 +301,24 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       out->element_count() != q.element_count())
     return ffi::Error::InvalidArgument(usage);
   int64_t B = qd[0], T = qd[1], C = qd[2], G = qd[3], H = qd[4], S = kd[1];
-  if (kd[0] != B || kd[1] < T || kd[2] != C || kd[3] != H || md[0] != B || md[1] != T || md[2] != T || lo.element_count() != B * T || hi.element_count() != B)
+  if (kd[0] != B || (ring != 2 && kd[1] < T) || kd[2] != C || kd[3] != H || md[0] != B || md[1] != T || md[2] != T ||
+      lo.element_count() != B * T || hi.element_count() != B)
     return ffi::Error::InvalidArgument(usage);
+  if (ring == 2 && (kn.element_count() != B * T * C * H || vn.element_count() != B * T * C * H))
+    return ffi::Error::InvalidArgument("specjax_attend: ring=2 reads the window from kn/vn [B, T, Kv, H]");
   auto work = std::make_shared<AttendWork>();
   work->q = q.typed_data();
   work->k = k.typed_data();
   work->v = v.typed_data();
+  work->kn = kn.typed_data();
+  work->vn = vn.typed_data();
   work->mask = mask.typed_data();
   work->lo = lo.typed_data();
   work->hi = hi.typed_data();
   work->out = out->typed_data();
   work->B = B, work->T = T, work->S = S, work->C = C, work->G = G, work->H = H;
   work->scale = scale;
+  work->ring = ring;
   work->tiles = (T + TILE - 1) / TILE;
   const int64_t items = B * C * work->tiles;
   if (items == 0 || T == 0) return ffi::Error::Success();
@@ -319,8 +345,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_attend, Attend,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("ring"));
+
+// specjax_residual: out = x + y, elementwise (fp32), for a block's residual add. As its own call, its
+// operands and its result are materialized buffers: XLA:CPU can neither contract a product that ends
+// a branch (Gemma's post-norms) into the add as one fused multiply-add, nor recompute the residual
+// stream inside later fusions, both of which it did for some window widths and not for others.
+static ffi::Error Residual(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t n = x.element_count();
+  if (y.element_count() != n || out->element_count() != n)
+    return ffi::Error::InvalidArgument("specjax_residual: x, y and out must have the same number of elements");
+  const float* a = x.typed_data();
+  const float* b = y.typed_data();
+  float* o = out->typed_data();
+  for (int64_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_residual, Residual,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

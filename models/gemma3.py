@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from specjax.models import hf_config
+from specjax.models import cpu_attention, hf_config
 from specjax.models.config import Activation, AttnKind, ModelConfig
 from specjax.models.kv_cache import Access
 from specjax.models.layers.attention import Attention
@@ -40,8 +40,8 @@ class Block(nnx.Module):
                  v_buf: Float[Array, "B S Kv H"]) -> tuple[Float[Array, "B T D"], Float[Array, "B S Kv H"],
                                                            Float[Array, "B S Kv H"]]:
         h, k_buf, v_buf = self.attn(self.attn_norm(x), access, k_buf, v_buf)
-        x = x + self.post_attn_norm(h)
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x))), k_buf, v_buf
+        x = cpu_attention.residual(x, self.post_attn_norm(h))
+        return cpu_attention.residual(x, self.post_mlp_norm(self.mlp(self.mlp_norm(x)))), k_buf, v_buf
 
 
 class Gemma3(Transformer):

@@ -202,7 +202,8 @@ class Access:
     def cache_bounds(self, kind: AttnKind) -> tuple[Int[Array, "B T"], Int[Array, "B"]]:
         """`cache_mask` of a full buffer as slot bounds, `lo[b, t] <= slot < hi[b]`: the committed
         context, from the sliding window's first position for a local layer (the CPU attention
-        kernel's form, `specjax.models.cpu_attention`). Not for a ring or a `context` mask."""
+        kernel's form, `specjax.models.cpu_attention`), in slots: a ring holds slot s at entry
+        s % Sr. Not for a `context` mask."""
         if kind == AttnKind.LOCAL:
             lo = jnp.maximum(self.positions - self.sliding_window + 1, 0)
         else:

@@ -75,6 +75,71 @@ def test_a_row_is_the_same_alone_as_in_its_window():
         np.testing.assert_array_equal(np.asarray(alone)[:, 0], window[:, i])
 
 
+def _ring(full, hi, t, entries):
+    """A ring of `entries` holding the slots of `full` [B, L, ...] that end with each row's window at
+    `hi` (slot s at entry s % entries), as models/kv_cache.py keeps a sliding-window layer's keys."""
+    out = np.zeros((full.shape[0], entries, *full.shape[2:]), np.float32)
+    for b, w0 in enumerate(np.asarray(hi)):
+        for s in range(max(w0 + t - entries, 0), w0 + t):
+            out[b, s % entries] = full[b, s]
+    return jnp.asarray(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("t,window", [(1, 4), (5, 4), (3, 7)])
+def test_a_ring_computes_the_bits_of_a_full_buffer(t, window):
+    """A sliding-window layer's ring (W - 1 + T entries, the fewest a forward of T fits) holding the
+    same keys as a full buffer: the kernel gives the same bits from both (slots in position order, each
+    read from its entry), and XLA's reference over the ring agrees to rounding."""
+    b, c, g, h, length = 3, 2, 3, 16, 40
+    q, k, v, mask, lo, hi = _inputs(t + window, b, t, c, g, h, length, window)
+    mask = mask & jnp.tril(jnp.ones((t, t), bool))[None]
+    hi = jnp.asarray([0, 9, length - t], jnp.int32)  # empty context, a partial turn, several turns
+    lo = jnp.maximum(hi[:, None] + jnp.arange(t)[None] - window + 1, 0).astype(jnp.int32)
+    entries = window - 1 + t
+    kr, vr = _ring(np.asarray(k), hi, t, entries), _ring(np.asarray(v), hi, t, entries)
+    full = np.asarray(cpu_attention.attend(q, k, v, mask, lo, hi, 0.3))
+    ring = np.asarray(jax.jit(cpu_attention.attend, static_argnums=(6, 7))(q, kr, vr, mask, lo, hi, 0.3, True))
+    np.testing.assert_array_equal(ring, full)
+    want = cpu_attention.reference(q, kr, vr, mask, lo, hi, 0.3, ring=True)
+    np.testing.assert_allclose(ring, np.asarray(want), rtol=2e-5, atol=2e-6)
+    grad = lambda f: jax.grad(lambda q: (f(q) ** 2).sum())(q)
+    np.testing.assert_allclose(
+        np.asarray(grad(lambda q: cpu_attention.attend(q, kr, vr, mask, lo, hi, 0.3, True))),
+        np.asarray(grad(lambda q: cpu_attention.reference(q, kr, vr, mask, lo, hi, 0.3, ring=True))),
+        rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hi", [0, 3, 30])
+def test_a_prefill_longer_than_the_ring_reads_its_own_keys(hi):
+    """A prefill of T tokens into a ring of fewer than W - 1 + T entries: the ring's committed slots
+    read before the writes, the window's keys from the forward's own (`new`): the bits of the same
+    prefill into a full buffer, and XLA's reference to rounding, gradients included."""
+    b, t, c, g, h, window, length = 2, 12, 2, 3, 16, 5, 48
+    q, k, v, mask, _, _ = _inputs(hi + 1, b, t, c, g, h, length, window)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    his = jnp.full((b,), hi, jnp.int32)
+    pos = his[:, None] + jnp.arange(t)[None]
+    lo = jnp.maximum(pos - window + 1, 0).astype(jnp.int32)
+    mask = mask & (pos[:, :, None] - pos[:, None, :] < window)  # the local layer's window among the new
+    entries = window - 1 + 2  # built for forwards of 2: the prefill does not fit
+    kn, vn = k[:, hi:hi + t], v[:, hi:hi + t]
+    before = _ring(np.asarray(k), his, 0, entries), _ring(np.asarray(v), his, 0, entries)  # slots up to hi
+    full = np.asarray(cpu_attention.attend(q, k, v, mask, lo, his, 0.3))
+    ring = np.asarray(cpu_attention.attend(q, *before, mask, lo, his, 0.3, True, new=(kn, vn)))
+    np.testing.assert_array_equal(ring, full)
+    want = cpu_attention.reference(q, *before, mask, lo, his, 0.3, True, (kn, vn))
+    np.testing.assert_allclose(ring, np.asarray(want), rtol=2e-5, atol=2e-6)
+    loss = lambda f: lambda q, kn, vn: (f(q, kn, vn) ** 2).sum()
+    got = jax.grad(loss(lambda q, kn, vn: cpu_attention.attend(q, *before, mask, lo, his, 0.3, True, new=(kn, vn))),
+                   argnums=(0, 1, 2))(q, kn, vn)
+    ref = jax.grad(loss(lambda q, kn, vn: cpu_attention.reference(q, *before, mask, lo, his, 0.3, True, (kn, vn))),
+                   argnums=(0, 1, 2))(q, kn, vn)
+    for a, w in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
 @needs_kernel
 def test_gradient_is_the_reference_gradient():
     args = _inputs(3, 2, 3, 2, 2, 8, 12)
@@ -98,7 +163,9 @@ def test_the_model_takes_the_kernel_only_where_it_applies():
     model = loader.init_model(cfg)
     calls = lambda text: text.count("@specjax_attend(")
     assert calls(_hlo(model, 1, model.init_cache(1, 16))) == 2  # full buffers: both layers
-    assert calls(_hlo(model, 2, model.init_cache(1, 16, window=2))) == 1  # the local layer's ring: XLA
+    assert calls(_hlo(model, 2, model.init_cache(1, 16, window=2))) == 2  # the local layer's ring too
+    q, ring = jnp.zeros((1, 3, 1, 1, 8)), jnp.zeros((1, 4 - 1 + 2, 1, 8))  # W = 4, built for forwards of 2
+    assert cpu_attention.fits(q[:, :2], ring, 4) and not cpu_attention.fits(q, ring, 4)
     assert calls(_hlo(model, 64, model.init_cache(1, 80))) == 2  # a prefill bucket
     assert calls(_hlo(model, cpu_attention.MAX_WINDOW + 1, model.init_cache(1, cpu_attention.MAX_WINDOW + 8))) == 0
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
@@ -128,18 +195,21 @@ def test_a_prefill_is_the_same_bits_whatever_the_buffers_length():
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", ["full", "ring"])
 @pytest.mark.parametrize("t", [1, 5])
-def test_model_forward_is_the_same_with_xla_attention(monkeypatch, t):
+def test_model_forward_is_the_same_with_xla_attention(monkeypatch, t, layout):
     """A tiny Llama with a sliding-window layer: cached forwards through the kernel and through XLA's
-    attention agree to fp32 rounding, logits and the caches they leave."""
+    attention agree to fp32 rounding, logits and the caches they leave; with the local layer's ring,
+    the decode or verify window takes the kernel and the longer prefill XLA's attention."""
     cfg = model_config.preset("tiny", sliding_window=3, layer_kinds=(AttnKind.LOCAL, AttnKind.GLOBAL))
     model = loader.init_model(cfg, seed=1)
     rng = np.random.default_rng(0)
 
     def run():
-        cache = model.init_cache(1, 24)
+        cache = model.init_cache(1, 24, window=t if layout == "ring" else None)
+        assert (cache.ring is not None) == (layout == "ring")
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 8)), jnp.int32)
-        out = model(tokens, jnp.arange(8)[None], cache)  # a prefill of 8 (the kernel takes it too)
+        out = model(tokens, jnp.arange(8)[None], cache, kept=jnp.array([8]))  # a prefill of 8
         step = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, t)), jnp.int32)
         return model(step, 8 + jnp.arange(t)[None], out.cache)
 
@@ -158,3 +228,52 @@ def test_kernel_errors_are_clear(monkeypatch):
     args = _inputs(0, 1, 1, 1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="specjax_attend is not available"):
         cpu_attention.attend(*args, 1.0)
+
+
+@needs_kernel
+def test_a_ring_layers_window_rows_are_the_single_steps_bits():
+    """A tiny model with a sliding-window layer whose cache is a ring: a 5-token verify window gives,
+    row for row, the bits of five one-token steps (why "q8" arithmetic, which turns an ulp into a
+    different int8 activation, stays exact against its own plain loop on Gemma 3). Negative control:
+    XLA's attention over the ring does not (its reductions over the ring change with the window)."""
+    cfg = model_config.preset("tiny", sliding_window=3, layer_kinds=(AttnKind.LOCAL, AttnKind.GLOBAL))
+    model = loader.init_model(cfg, seed=1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 14)), jnp.int32)
+    start = jnp.array([8, 6])  # ragged rows
+    pos = start[:, None] + jnp.arange(5)[None]
+
+    def differing_bits():
+        cache = model.init_cache(2, 32, window=5)
+        cache = model(tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache, kept=start).cache
+        window = model(jnp.take_along_axis(tokens, pos, 1), pos, cache, start=start).logits
+        rows = []
+        for i in range(5):
+            out = model(jnp.take_along_axis(tokens, pos[:, i:i + 1], 1), pos[:, i:i + 1], cache, start=start + i)
+            cache = out.cache
+            rows.append(out.logits[:, 0])
+        return int((np.asarray(window).view(np.uint32) != np.stack(rows, 1).view(np.uint32)).sum())
+
+    assert model.init_cache(2, 32, window=5).ring is not None
+    assert differing_bits() == 0
+    with cpu_attention.use_kernel(False):
+        assert differing_bits() > 0
+
+
+@needs_kernel
+def test_residual_is_its_own_call_with_the_adds_bits(monkeypatch):
+    """`cpu_attention.residual`: x + y to the bit, as its own call in a Gemma 3 block (so no product
+    fuses into it), with the add's gradient; XLA's add without the kernel."""
+    from test_kv_cache import CONFIG, random_model
+
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32) for _ in range(2))
+    got = jax.jit(cpu_attention.residual)(x, y)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x + y))
+    gx, gy = jax.grad(lambda x, y: (cpu_attention.residual(x, y) * y).sum(), argnums=(0, 1))(x, y)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(y))
+    np.testing.assert_allclose(np.asarray(gy), np.asarray(x + 2 * y), rtol=1e-6)
+    model = random_model(CONFIG)
+    assert _hlo(model, 1, model.init_cache(1, 16)).count("@specjax_residual(") == 2 * CONFIG.num_layers
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_attention, "_register_residual", lambda: False)
+    assert _hlo(model, 1, model.init_cache(1, 16)).count("@specjax_residual(") == 0

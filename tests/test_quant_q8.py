@@ -216,3 +216,36 @@ def test_smollm2_q8_speculation_equals_its_plain_loop_and_stays_near_exact(smoll
     assert (top_e == top_q).mean() >= 0.85
     gap = exact[0, np.arange(len(ids)), top_e] - exact[0, np.arange(len(ids)), top_q]
     assert gap.max() < 0.25, gap.max()
+
+
+def test_gemma3_q8_window_rows_are_the_single_steps_bits(gemma3_path):
+    """Gemma 3 in q8, its sliding layers' caches rings: a prompt's prefill gives the same bits into the
+    plain loop's ring (W entries) as into a verify window's (W + 4), and a 5-token verify window's
+    logits are, row for row, the bits of five one-token steps, so speculation equals the q8 plain loop.
+    What made it so: the attention kernel reads rings (XLA's attention over one reduced a row
+    differently beside others and by the ring's length), and the blocks' residual adds are their own
+    call (`cpu_attention.residual`: XLA:CPU fused a post-norm's product into the add, or recomputed
+    the residual stream inside later fusions, for some window widths and not others)."""
+    from flax import nnx
+
+    lm = loader.load(str(gemma3_path), weights="packed", weights_arith="q8")
+    model, t = lm.model, 5
+    graphdef, params = nnx.split(model)
+    fwd = jax.jit(lambda p, tok, pos, cache, start, kept: nnx.merge(graphdef, p)(tok, pos, cache, start=start,
+                                                                                   kept=kept))
+    ids = lm.tokenizer.encode("Write a YAML file for a web server: port 8080, two workers, json logs.")
+    n = len(ids)
+    prompt = jnp.asarray([ids + [0] * (64 - n)], jnp.int32)
+    prefill = lambda cache: fwd(params, prompt, jnp.arange(64)[None], cache, jnp.array([0]), jnp.array([n]))
+    plain = prefill(model.init_cache(1, model.config.sliding_window + 128, window=1))
+    out = prefill(model.init_cache(1, model.config.sliding_window + 128, window=t))
+    assert plain.cache.ring == model.config.sliding_window and out.cache.ring == model.config.sliding_window + t - 1
+    np.testing.assert_array_equal(_bits(np.asarray(out.logits)[0, :n]), _bits(np.asarray(plain.logits)[0, :n]))
+    cache = out.cache
+    pos = n + jnp.arange(t)[None]
+    window = np.asarray(fwd(params, jnp.asarray([[300, 301, 302, 303, 304]]), pos, cache, jnp.array([n]),
+                            None).logits)[0]
+    for i in range(t):
+        out = fwd(params, jnp.asarray([[300 + i]]), pos[:, i:i + 1], cache, jnp.array([n + i]), None)
+        cache = out.cache
+        np.testing.assert_array_equal(_bits(np.asarray(out.logits)[0, 0]), _bits(window[i]), err_msg=f"row {i}")

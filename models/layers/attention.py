@@ -127,10 +127,15 @@ class Attention(nnx.Module):
         their keys and values; returns (output `[B, T, D]`, k_buf, v_buf)."""
         q, k, v = self.qkv(x, access.positions)
         ring = k_buf.shape[1] != access.length
-        if cpu_attention.applies(q, k_buf, ring=ring, context=access.context):  # writes, then reads
-            k_buf, v_buf = access.write(k_buf, k, ring), access.write(v_buf, v, ring)
+        if cpu_attention.applies(q, k_buf, context=access.context):
             lo, hi = access.cache_bounds(self.kind)
-            out = cpu_attention.attend(q, k_buf, v_buf, access.new_mask(self.kind), lo, hi, self.scale)
+            new_mask = access.new_mask(self.kind)
+            if ring and not cpu_attention.fits(q, k_buf, access.sliding_window):  # reads, then writes
+                out = cpu_attention.attend(q, k_buf, v_buf, new_mask, lo, hi, self.scale, ring, new=(k, v))
+                k_buf, v_buf = access.write(k_buf, k, ring), access.write(v_buf, v, ring)
+            else:  # writes, then reads
+                k_buf, v_buf = access.write(k_buf, k, ring), access.write(v_buf, v, ring)
+                out = cpu_attention.attend(q, k_buf, v_buf, new_mask, lo, hi, self.scale, ring)
             return self.output(out.astype(x.dtype)), k_buf, v_buf
         out = attend(q, (Keys(k_buf, v_buf, access.cache_mask(self.kind, ring)),
                          Keys(k, v, access.new_mask(self.kind))), self.scale)
