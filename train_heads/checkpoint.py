@@ -8,6 +8,7 @@ before it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -138,7 +139,7 @@ class TrainCheckpoints:
         self.manager.close()
 
 
-class ResumableRun:
+class ResumableRun(abc.ABC):
     """What a training run shares with every other: the loop (`fit`), resume from and save to its
     checkpoints, and append metrics to `out/metrics.jsonl`.
 
@@ -163,17 +164,18 @@ class ResumableRun:
     desc = "train"
 
     # ---- the method's hooks --------------------------------------------------------------------
+    @abc.abstractmethod
     def train_step_once(self) -> tuple[dict, dict, dict]:
         """One optimiser step on the loader's next batch: (params, opt_state, host metrics with "loss")."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def record(self, metrics: list[dict], seconds: float) -> tuple[dict, dict]:
         """A metrics line from the steps since the last one (their host metrics, their seconds), and the
         progress bar's postfix."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def evaluate(self) -> dict:
-        raise NotImplementedError
+        """Held-out metrics of the current params."""
 
     @property
     def evaluates(self) -> bool:
