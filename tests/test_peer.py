@@ -81,3 +81,14 @@ def test_report_holds_each_arithmetics_arms_to_its_own_plain_loop():
     assert arms["specjax ngram k=4 q8"]["identical"] == 1 and arms["specjax plain q8"]["identical"] == 1
     assert arms["specjax ngram k=4"]["identical"] == 1
     assert arms["llama.cpp plain"]["shared_prefix"] == [2]  # against specjax's exact plain
+
+
+def test_a_build_that_dies_on_a_batched_product_is_detected(tmp_path):
+    """`runs_batched`: a llama-bench killed by a signal (an AMX instruction a virtual machine lists and
+    faults on) is caught, so `measure` builds without AMX; one that exits 0 passes."""
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\nkill -ILL $$\n")
+    bench.chmod(0o755)
+    assert not peer.runs_batched(tmp_path, "model.gguf")
+    bench.write_text("#!/bin/sh\nexit 0\n")
+    assert peer.runs_batched(tmp_path, "model.gguf")

@@ -54,15 +54,17 @@ def _cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "specjax" / "peer"
 
 
-def build(root: pathlib.Path | None = None, *, jobs: int | None = None, log=print) -> pathlib.Path:
-    """llama.cpp's `bin/` folder, built once per sdist version under `root` (the cache by default).
+def build(root: pathlib.Path | None = None, *, jobs: int | None = None, amx: bool = True, log=print) -> pathlib.Path:
+    """llama.cpp's `bin/` folder, built once per sdist version under `root` (the cache by default),
+    for this machine (`GGML_NATIVE`); `amx=False` compiles ggml's AMX products out (`runs_batched`).
 
     Raises:
       RuntimeError: pip, cmake or the compiler is missing or failed (its output's tail included).
     """
     name, version = LLAMA_CPP_SDIST
     root = pathlib.Path(root or _cache_root()) / f"{name}-{version}"
-    bin_dir = root / "build" / "bin"
+    build_dir = root / ("build" if amx else "build-noamx")
+    bin_dir = build_dir / "bin"
     if all((bin_dir / t).is_file() for t in TARGETS):
         return bin_dir
     for tool in ("cmake", "c++"):
@@ -83,11 +85,21 @@ def build(root: pathlib.Path | None = None, *, jobs: int | None = None, log=prin
             shutil.move(str(vendored), src)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     log(f"[peer] building {', '.join(TARGETS)} natively (about 15 minutes on 2 cores) ...")
-    _run(["cmake", "-S", str(src), "-B", str(root / "build"), *generator, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    no_amx = [] if amx else ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                             "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+    _run(["cmake", "-S", str(src), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Release",
+          "-DGGML_NATIVE=ON", *no_amx, "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
           "-DLLAMA_BUILD_EXAMPLES=OFF"])
-    _run(["cmake", "--build", str(root / "build"), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 2)])
+    _run(["cmake", "--build", str(build_dir), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 2)])
     return bin_dir
+
+
+def runs_batched(bin_dir: pathlib.Path, gguf: str) -> bool:
+    """Whether the build survives a batched product (`llama-bench -p 32 -n 0`). A virtual machine can
+    list AMX among the CPU's flags and fault on its tile instructions; `-march=native` then compiles
+    ggml's AMX products in, and llama.cpp dies of an illegal instruction at its first prompt."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", "32", "-n", "0", "-r", "1"]
+    return subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
 
 
 def _run(cmd: list[str]) -> str:
@@ -221,6 +233,13 @@ def measure(args) -> dict:
 
     gguf = str(catalog.resolve(args.model))
     bin_dir = pathlib.Path(args.llama_bin) if args.llama_bin else build(jobs=args.jobs)
+    if not runs_batched(bin_dir, gguf):
+        if args.llama_bin:
+            raise RuntimeError(f"{bin_dir}/llama-bench dies on a batched product (a CPU flag the machine does "
+                               "not honour, e.g. AMX in a virtual machine): leave out --llama-bin to build one "
+                               "without AMX")
+        print("[peer] this build dies on a batched product (AMX listed but not usable here): building without AMX")
+        bin_dir = build(jobs=args.jobs, amx=False)
     prompts = read_prompts(args.prompts_file, per_task=args.per_task)
     ours, engines = {}, {}
     assets = tuple(a for a in (args.assets or "").split(",") if a)
