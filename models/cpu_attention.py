@@ -98,20 +98,25 @@ def fits(q: Float[Array, "B T Kv G H"], ring: Float[Array, "B Sr Kv H"], sliding
     return q.shape[1] <= ring.shape[1] - sliding_window + 1
 
 
+def _ring_slots(end: Int[Array, "B 1 1"], entries: int) -> Int[Array, "B 1 S"]:
+    """The slot each of a ring's `entries` holds when it holds the slots just before `end`: entry e
+    holds the s with `s = e (mod entries)` and `end - entries <= s < end`."""
+    e = jnp.arange(entries, dtype=jnp.int32)[None, None, :]
+    return end - 1 - (end - 1 - e) % entries
+
+
 def seen(k_buf: Float[Array, "B S Kv H"], new_mask: Bool[Array, "B T T"], lo: Int[Array, "B T"],
          hi: Int[Array, "B"], ring: bool = False) -> Bool[Array, "B T S"]:
     """The entries each query sees, as a mask: those of slots `lo[b, t] <= slot < hi[b]`, and of window
     slot `hi[b] + j` where `new_mask[b, t, j]`. A ring's entry e holds the slot `s = e (mod S)` among the
     S slots that end with the window (`hi[b] + T - S <= s < hi[b] + T`)."""
     t, s = new_mask.shape[1], k_buf.shape[1]
-    entries = jnp.arange(s, dtype=jnp.int32)[None, None, :]
     if ring:
         w0 = jnp.maximum(hi, 0)[:, None, None]
-        end = w0 + t  # one past the window's last slot
-        slots = end - 1 - (end - 1 - entries) % s
+        slots = _ring_slots(w0 + t, s)  # the S slots that end with the window
     else:
         w0 = jnp.clip(hi, 0, s - t)[:, None, None]
-        slots = entries
+        slots = jnp.arange(s, dtype=jnp.int32)[None, None, :]
     j = slots - w0
     in_window = (j >= 0) & (j < t)
     window = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(j, 0, t - 1), (*new_mask.shape[:2], s)), axis=2)
@@ -121,10 +126,8 @@ def seen(k_buf: Float[Array, "B S Kv H"], new_mask: Bool[Array, "B T T"], lo: In
 def reference(q, k_buf, v_buf, new_mask, lo, hi, scale: float, ring: bool = False, new=None):
     """What the kernel computes, in XLA (its gradient, and its test oracle)."""
     if new is not None:  # a ring before the forward's writes (its slots end at hi), then the window's own keys
-        t, n = new_mask.shape[1], k_buf.shape[1]
-        entries = jnp.arange(n, dtype=jnp.int32)[None, None, :]
         end = jnp.maximum(hi, 0)[:, None, None]
-        slots = end - 1 - (end - 1 - entries) % n
+        slots = _ring_slots(end, k_buf.shape[1])
         committed = (slots >= lo[:, :, None]) & (slots < end)
         k_all, v_all = jnp.concatenate([k_buf, new[0]], axis=1), jnp.concatenate([v_buf, new[1]], axis=1)
         mask = jnp.concatenate([committed, new_mask], axis=2)
